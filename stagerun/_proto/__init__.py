@@ -1,0 +1,54 @@
+"""The sans-IO wire protocol: handshake, frames, messages and activation codecs.
+
+Everything here turns bytes into values and values into bytes, and nothing else: no sockets, no
+clocks, no Trio (a test imports this package alone and checks that ``trio`` stays unloaded).
+Transports and the stage server drive it with ``receive_data()`` / ``next_frame()``.
+"""
+
+from ._activations import ACTIVATION_DTYPES as ACTIVATION_DTYPES
+from ._activations import ActivationDType as ActivationDType
+from ._activations import activation_nbytes as activation_nbytes
+from ._activations import decode_activations as decode_activations
+from ._activations import encode_activations as encode_activations
+from ._activations import parse_activation_dtype as parse_activation_dtype
+from ._frames import DEFAULT_MAX_PAYLOAD_BYTES as DEFAULT_MAX_PAYLOAD_BYTES
+from ._frames import MAX_ACTIVATION_COLS as MAX_ACTIVATION_COLS
+from ._frames import MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from ._frames import NEED_DATA as NEED_DATA
+from ._frames import PREFIX_SIZE as PREFIX_SIZE
+from ._frames import Frame as Frame
+from ._frames import FrameDecoder as FrameDecoder
+from ._frames import decode_frame as decode_frame
+from ._frames import encode_frame as encode_frame
+from ._handshake import HELLO_SIZE as HELLO_SIZE
+from ._handshake import MAX_REFUSAL_REASON as MAX_REFUSAL_REASON
+from ._handshake import REPLY_PREFIX_SIZE as REPLY_PREFIX_SIZE
+from ._handshake import Hello as Hello
+from ._handshake import Ready as Ready
+from ._handshake import ReadyDecoder as ReadyDecoder
+from ._handshake import Refused as Refused
+from ._handshake import Role as Role
+from ._handshake import decode_hello as decode_hello
+from ._handshake import encode_hello as encode_hello
+from ._handshake import encode_ready as encode_ready
+from ._handshake import encode_refusal as encode_refusal
+from ._messages import CARRIES_ACTIVATIONS as CARRIES_ACTIVATIONS
+from ._messages import MAX_ERROR_MESSAGE as MAX_ERROR_MESSAGE
+from ._messages import MAX_TOKENS_PER_MESSAGE as MAX_TOKENS_PER_MESSAGE
+from ._messages import MAX_WINDOW_IDS as MAX_WINDOW_IDS
+from ._messages import MESSAGE_TYPES as MESSAGE_TYPES
+from ._messages import PROTOCOL_VERSION as PROTOCOL_VERSION
+from ._messages import Ack as Ack
+from ._messages import ActivationMessage as ActivationMessage
+from ._messages import Cancel as Cancel
+from ._messages import Configure as Configure
+from ._messages import Decode as Decode
+from ._messages import Error as Error
+from ._messages import Message as Message
+from ._messages import Predictions as Predictions
+from ._messages import Prefill as Prefill
+from ._messages import SamplingParams as SamplingParams
+from ._messages import StageStats as StageStats
+from ._messages import Stop as Stop
+from ._messages import Trim as Trim
+from ._messages import Verify as Verify

@@ -1,0 +1,398 @@
+"""Every message that travels between stages, and the cattrs converter that puts them on the wire.
+
+Theory of operation
+-------------------
+A message is a frozen attrs value. Its validators run on construction, so *a message that exists
+is valid*: ids, positions and keys are plain ``int`` (never ``bool``) in range, token lists are
+tuples of token ids within the size limit, strings are bounded. Building a bad message in Python
+raises ``TypeError``/``ValueError`` (a programming error, caught by tests); decoding one from the
+wire goes through :func:`structure_message`, which turns every such failure into a
+:class:`~stagerun._errors.ProtocolError` naming the kind and the field.
+
+The wire form of a message is its kind name plus a dict of its fields, produced by one cattrs
+converter (``_wire``). The converter never coerces: its hooks for ``int``, ``float``, ``str`` and
+``bool`` pass values through unchanged so the validators see exactly what the peer sent (cattrs'
+default ``int("5")`` would happily accept a string position). Tuples of ints unstructure to
+lists; lists coming back are turned into tuples by the fields' attrs converters (which also
+accept numpy integers from Python callers, and nothing else). The structure hook of every attrs
+class first checks that it got a map with exactly the expected keys, so a missing or unknown
+field is reported by name instead of surfacing as a bare ``KeyError``.
+
+Kind names are class variables (``Decode.kind == "decode"``); :data:`MESSAGE_TYPES` maps them
+back to classes and :data:`CARRIES_ACTIVATIONS` lists the classes whose frames carry a payload.
+"""
+
+import math
+import numbers
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Final, SupportsIndex, TypeAlias, cast
+
+import attrs
+import cattrs
+import numpy as np
+import numpy.typing as npt
+from cattrs.gen import make_dict_structure_fn
+
+from .._errors import ProtocolError
+
+PROTOCOL_VERSION: Final = 1
+
+MAX_TOKENS_PER_MESSAGE: Final = 65536
+MAX_WINDOW_IDS: Final = 64
+MAX_ERROR_MESSAGE: Final = 4096
+
+_ID_LIMIT: Final = 2**63
+_KEY_LIMIT: Final = 2**64
+_TOKEN_LIMIT: Final = 2**31
+_LIMIT_NAMES: Final = {_ID_LIMIT: "2**63", _KEY_LIMIT: "2**64", _TOKEN_LIMIT: "2**31"}
+
+_Validator: TypeAlias = Callable[[Any, "attrs.Attribute[Any]", Any], None]
+
+
+def _show(value: object) -> str:
+    """A short repr of a rejected value: what the peer sent, without flooding the error."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _where(instance: object, attribute: "attrs.Attribute[Any]") -> str:
+    return f"{type(instance).__name__}.{attribute.name}"
+
+
+def _int_in(limit: int) -> _Validator:
+    label = _LIMIT_NAMES.get(limit, str(limit))
+
+    def check(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        if type(value) is not int or not 0 <= value < limit:
+            raise ValueError(
+                f"{_where(instance, attribute)} must be an int in [0, {label}), got {_show(value)}."
+            )
+
+    return check
+
+
+def _finite_float(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
+    if type(value) is not float or not math.isfinite(value):
+        raise ValueError(
+            f"{_where(instance, attribute)} must be a finite float, got {_show(value)}."
+        )
+
+
+def _is_bool(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
+    if type(value) is not bool:
+        raise ValueError(f"{_where(instance, attribute)} must be a bool, got {_show(value)}.")
+
+
+def _int_tuple(*, limit: int, max_len: int, non_empty: bool) -> _Validator:
+    label = _LIMIT_NAMES.get(limit, str(limit))
+
+    def check(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        where = _where(instance, attribute)
+        if type(value) is not tuple:
+            raise ValueError(f"{where} must be a tuple of ints, got {_show(value)}.")
+        if len(value) > max_len:
+            raise ValueError(f"{where} holds {len(value)} items, more than the limit of {max_len}.")
+        if not value:
+            if non_empty:
+                raise ValueError(f"{where} must not be empty.")
+            return
+        # C-speed checks first (this runs per token per hop); locate the culprit only on failure.
+        if set(map(type, value)) == {int} and min(value) >= 0 and max(value) < limit:
+            return
+        index, bad = next(
+            (i, v) for i, v in enumerate(value) if type(v) is not int or not 0 <= v < limit
+        )
+        raise ValueError(f"{where}[{index}] must be an int in [0, {label}), got {_show(bad)}.")
+
+    return check
+
+
+def _bounded_str(max_len: int) -> _Validator:
+    def check(instance: object, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        if type(value) is not str:
+            raise ValueError(f"{_where(instance, attribute)} must be a str, got {_show(value)}.")
+        if len(value) > max_len:
+            raise ValueError(
+                f"{_where(instance, attribute)} is {len(value)} characters long, "
+                f"more than the limit of {max_len}."
+            )
+
+    return check
+
+
+def _as_tuple(value: Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]]) -> tuple[int, ...]:
+    """Accept a list or a numpy array where a tuple of ints is expected.
+
+    numpy integers become ints (``tuple(np.array([1, 2]))`` holds ``np.int64``, which msgpack
+    cannot pack). Nothing else is coerced: a bool, float or string token is left for the
+    validator to reject, so a peer's bad value is never silently turned into a token.
+    """
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if type(value) is list:
+        value = tuple(value)
+    if type(value) is not tuple or set(map(type, value)) <= {int}:
+        return cast(tuple[int, ...], value)
+    return tuple(
+        operator.index(item)
+        if isinstance(item, numbers.Integral) and not isinstance(item, bool)
+        else item
+        for item in value
+    )
+
+
+def _as_float(value: float) -> float:
+    """Accept an int where a float is expected (``temperature=1``), but never a bool."""
+    return float(value) if type(value) is int else value
+
+
+_ID = _int_in(_ID_LIMIT)
+_TOKENS = _int_tuple(limit=_TOKEN_LIMIT, max_len=MAX_TOKENS_PER_MESSAGE, non_empty=True)
+_MAYBE_TOKENS = _int_tuple(limit=_TOKEN_LIMIT, max_len=MAX_TOKENS_PER_MESSAGE, non_empty=False)
+_WINDOW_IDS = _int_tuple(limit=_ID_LIMIT, max_len=MAX_WINDOW_IDS, non_empty=False)
+
+
+@attrs.frozen
+class SamplingParams:
+    """How the last stage picks the next token.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_k: keep only the k most likely tokens; 0 turns the filter off.
+        top_p: nucleus sampling mass in (0, 1]; 1 turns the filter off.
+        seed: seed of the request's random generator, in [0, 2**64).
+    """
+
+    temperature: float = attrs.field(default=0.0, converter=_as_float, validator=_finite_float)
+    top_k: int = attrs.field(default=0, validator=_int_in(_ID_LIMIT))
+    top_p: float = attrs.field(default=1.0, converter=_as_float, validator=_finite_float)
+    seed: int = attrs.field(default=0, validator=_int_in(_KEY_LIMIT))
+
+    @temperature.validator
+    def _check_temperature(self, attribute: "attrs.Attribute[float]", value: float) -> None:
+        if value < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {value}.")
+
+    @top_p.validator
+    def _check_top_p(self, attribute: "attrs.Attribute[float]", value: float) -> None:
+        if not 0 < value <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {value}.")
+
+
+@attrs.frozen
+class StageStats:
+    """Timings a reply carries upstream; each stage adds its own with :meth:`merge`."""
+
+    compute_us: int = attrs.field(default=0, validator=_ID)
+    forward_write_us: int = attrs.field(default=0, validator=_ID)
+    downstream_wait_us: int = attrs.field(default=0, validator=_ID)
+    stage_count: int = attrs.field(default=0, validator=_ID)
+    token_count: int = attrs.field(default=0, validator=_ID)
+
+    def merge(self, other: "StageStats") -> "StageStats":
+        """Return the field-by-field sum of these stats and ``other``."""
+        return StageStats(
+            compute_us=self.compute_us + other.compute_us,
+            forward_write_us=self.forward_write_us + other.forward_write_us,
+            downstream_wait_us=self.downstream_wait_us + other.downstream_wait_us,
+            stage_count=self.stage_count + other.stage_count,
+            token_count=self.token_count + other.token_count,
+        )
+
+
+_NO_STATS: Final = StageStats()
+
+
+# --- requests: stage 0 -> downstream ------------------------------------------------------------
+
+
+@attrs.frozen
+class Configure:
+    """Open a request on a chain and bind it to the return connection parked under ``return_key``."""
+
+    kind: ClassVar[str] = "configure"
+    request_id: int = attrs.field(validator=_ID)
+    return_key: int = attrs.field(validator=_int_in(_KEY_LIMIT))
+    prompt_len: int = attrs.field(validator=_ID)
+    sampling: SamplingParams = attrs.field(
+        default=SamplingParams(), validator=attrs.validators.instance_of(SamplingParams)
+    )
+
+
+@attrs.frozen
+class Prefill:
+    """One chunk of the prompt starting at ``position``; ``predict`` asks for the next token."""
+
+    kind: ClassVar[str] = "prefill"
+    request_id: int = attrs.field(validator=_ID)
+    chunk_index: int = attrs.field(validator=_ID)
+    position: int = attrs.field(validator=_ID)
+    tokens: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_TOKENS)
+    predict: bool = attrs.field(validator=_is_bool)
+
+
+@attrs.frozen
+class Decode:
+    """Plain decode: the tokens at ``position`` (usually one); the reply is ``Predictions``."""
+
+    kind: ClassVar[str] = "decode"
+    request_id: int = attrs.field(validator=_ID)
+    position: int = attrs.field(validator=_ID)
+    tokens: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_TOKENS)
+
+
+@attrs.frozen
+class Verify:
+    """A speculative verify window: base token plus drafts at ``position``, tagged with its epoch."""
+
+    kind: ClassVar[str] = "verify"
+    request_id: int = attrs.field(validator=_ID)
+    window_id: int = attrs.field(validator=_ID)
+    epoch: int = attrs.field(validator=_ID)
+    position: int = attrs.field(validator=_ID)
+    tokens: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_TOKENS)
+
+
+@attrs.frozen
+class Cancel:
+    """Drop the listed windows (stale since ``epoch``) from every stage's queue; no reply."""
+
+    kind: ClassVar[str] = "cancel"
+    request_id: int = attrs.field(validator=_ID)
+    epoch: int = attrs.field(validator=_ID)
+    window_ids: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_WINDOW_IDS)
+
+
+@attrs.frozen
+class Trim:
+    """Cut every stage's KV cache for the request back to ``position`` tokens."""
+
+    kind: ClassVar[str] = "trim"
+    request_id: int = attrs.field(validator=_ID)
+    position: int = attrs.field(validator=_ID)
+
+
+@attrs.frozen
+class Stop:
+    """End the request and free its sessions on every stage."""
+
+    kind: ClassVar[str] = "stop"
+    request_id: int = attrs.field(validator=_ID)
+
+
+# --- replies ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Ack:
+    """Hop-by-hop acknowledgement carrying the merged stats of every stage below."""
+
+    kind: ClassVar[str] = "ack"
+    request_id: int = attrs.field(validator=_ID)
+    stats: StageStats = attrs.field(
+        default=_NO_STATS, validator=attrs.validators.instance_of(StageStats)
+    )
+
+
+@attrs.frozen
+class Predictions:
+    """Tokens the last stage predicted for the window (or decode step) starting at ``position``."""
+
+    kind: ClassVar[str] = "predictions"
+    request_id: int = attrs.field(validator=_ID)
+    window_id: int = attrs.field(validator=_ID)
+    position: int = attrs.field(validator=_ID)
+    tokens: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_MAYBE_TOKENS)
+    stats: StageStats = attrs.field(
+        default=_NO_STATS, validator=attrs.validators.instance_of(StageStats)
+    )
+
+
+@attrs.frozen
+class Error:
+    """A stage could not carry out a request; ``message`` is one plain sentence for the user."""
+
+    kind: ClassVar[str] = "error"
+    request_id: int = attrs.field(validator=_ID)
+    stage_index: int = attrs.field(validator=_ID)
+    message: str = attrs.field(validator=_bounded_str(MAX_ERROR_MESSAGE))
+
+
+Message: TypeAlias = (
+    Configure | Prefill | Decode | Verify | Cancel | Trim | Stop | Ack | Predictions | Error
+)
+"""Any message a frame can carry."""
+
+ActivationMessage: TypeAlias = Prefill | Decode | Verify
+"""The messages whose frames carry an activation payload (one row per token)."""
+
+MESSAGE_TYPES: Final[Mapping[str, type[Message]]] = {
+    cls.kind: cls
+    for cls in (Configure, Prefill, Decode, Verify, Cancel, Trim, Stop, Ack, Predictions, Error)
+}
+CARRIES_ACTIVATIONS: Final[frozenset[type[Message]]] = frozenset({Prefill, Decode, Verify})
+"""The message classes whose frames carry activations (``isinstance(m, ActivationMessage)``)."""
+
+
+# --- the wire converter -------------------------------------------------------------------------
+
+
+def _passthrough(value: object, _type: object) -> object:
+    return value
+
+
+def _structure_hook(cls: type[Any]) -> Callable[[object, object], object]:
+    """Wrap cattrs' generated dict -> class function with an exact key check."""
+    inner = make_dict_structure_fn(cls, _wire, _cattrs_prefer_attrib_converters=True)
+    names = frozenset(field.name for field in attrs.fields(cls))
+    label = cls.__name__
+
+    def structure(value: object, _type: object) -> object:
+        if type(value) is not dict:
+            raise ValueError(f"{label} fields must be a map, got {_show(value)}.")
+        if value.keys() != names:
+            missing = sorted(names - value.keys())
+            if missing:
+                raise ValueError(f"{label} is missing field {missing[0]!r}.")
+            extra = sorted(map(repr, value.keys() - names))
+            raise ValueError(f"{label} has unknown field {extra[0]}.")
+        return inner(value, cls)
+
+    return structure
+
+
+_wire = cattrs.Converter(detailed_validation=False, prefer_attrib_converters=True)
+for _primitive in (int, float, str, bool):
+    _wire.register_structure_hook(_primitive, _passthrough)
+_wire.register_unstructure_hook_func(lambda type_: type_ == tuple[int, ...], list)
+_wire.register_structure_hook_factory(attrs.has, _structure_hook)
+
+_UNSTRUCTURE: Final = {cls: _wire.get_unstructure_hook(cls) for cls in MESSAGE_TYPES.values()}
+_STRUCTURE: Final = {
+    kind: (cls, _wire.get_structure_hook(cls)) for kind, cls in MESSAGE_TYPES.items()
+}
+
+
+def unstructure_message(message: Message) -> dict[str, Any]:
+    """Return the wire fields of ``message`` (a msgpack-ready dict; its kind is ``message.kind``)."""
+    return cast(dict[str, Any], _UNSTRUCTURE[type(message)](message))
+
+
+def structure_message(kind: object, fields: object) -> Message:
+    """Build the message of ``kind`` from wire ``fields``.
+
+    Raises:
+        ProtocolError: the kind is unknown, or the fields are missing, extra, of the wrong type
+            or out of range.
+    """
+    entry = _STRUCTURE.get(kind) if type(kind) is str else None
+    if entry is None:
+        raise ProtocolError(
+            f"unknown message kind {_show(kind)}; expected one of {', '.join(MESSAGE_TYPES)}."
+        )
+    cls, hook = entry
+    try:
+        return cast(Message, hook(fields, cls))
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad {kind} message: {exc}") from exc

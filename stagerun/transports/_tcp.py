@@ -1,0 +1,86 @@
+"""Raw TCP transport: one trio SocketStream per connection, TCP_NODELAY on.
+
+Trio's SocketStream already disables Nagle's algorithm, so a small decode frame leaves at once;
+this module only adds address parsing, connect deadlines and a server that reports the address
+it really bound (port 0 picks a free port) through ``task_status.started``.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import trio
+
+from .._errors import LaneHandshakeError
+
+Handler = Callable[[trio.abc.Stream, str], Awaitable[None]]
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """Split ``scheme://host:port`` (scheme optional, default tcp) into its parts.
+
+    Raises:
+        ValueError: the address has no port or an unknown shape.
+    """
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        scheme, rest = "tcp", address
+    host, colon, port_text = rest.rpartition(":")
+    if not colon or not port_text.isdigit():
+        raise ValueError(f"stage address {address!r} must look like tcp://HOST:PORT")
+    host = host.strip("[]") or "127.0.0.1"
+    port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"stage address {address!r} has port {port} outside 0..65535")
+    return scheme, host, port
+
+
+def format_address(scheme: str, host: str, port: int) -> str:
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
+
+
+class TcpTransport:
+    """Lanes over raw TCP."""
+
+    scheme = "tcp"
+
+    async def connect(self, host: str, port: int, *, timeout: float) -> trio.abc.Stream:
+        """Open a connection within ``timeout`` seconds."""
+        where = format_address(self.scheme, host, port)
+        try:
+            with trio.fail_after(timeout):
+                stream = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError as exc:
+            raise LaneHandshakeError(f"could not connect to {where} within {timeout:g}s") from exc
+        except OSError as exc:
+            raise LaneHandshakeError(f"could not connect to {where}: {exc.strerror or exc}") from exc
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+        return stream
+
+    async def serve(
+        self,
+        handler: Handler,
+        host: str,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept connections forever; each one runs ``handler(stream, peer)`` in its own task."""
+
+        async def handle(stream: trio.SocketStream) -> None:
+            try:
+                peer_host, peer_port = stream.socket.getpeername()[:2]
+                peer = format_address(self.scheme, peer_host, peer_port)
+            except OSError:
+                peer = "tcp://<unknown>"
+            await handler(stream, peer)
+
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        bound_host, bound_port = listeners[0].socket.getsockname()[:2]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(trio.serve_listeners, handle, listeners))
+            task_status.started(format_address(self.scheme, bound_host, bound_port))

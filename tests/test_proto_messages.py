@@ -1,0 +1,263 @@
+"""Message values: validation on construction, the wire converter, and the package's shape."""
+
+import math
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import stagerun._proto as proto
+from stagerun._errors import ProtocolError
+from stagerun._proto import (
+    CARRIES_ACTIVATIONS,
+    MAX_ERROR_MESSAGE,
+    MAX_TOKENS_PER_MESSAGE,
+    MAX_WINDOW_IDS,
+    MESSAGE_TYPES,
+    Ack,
+    Cancel,
+    Configure,
+    Decode,
+    Error,
+    Predictions,
+    Prefill,
+    SamplingParams,
+    StageStats,
+    Stop,
+    Trim,
+    Verify,
+)
+from stagerun._proto._messages import structure_message, unstructure_message
+
+PUBLIC_NAMES = [
+    "PROTOCOL_VERSION",
+    "NEED_DATA",
+    "Configure",
+    "Prefill",
+    "Decode",
+    "Verify",
+    "Cancel",
+    "Trim",
+    "Stop",
+    "Ack",
+    "Predictions",
+    "Error",
+    "Message",
+    "SamplingParams",
+    "StageStats",
+    "CARRIES_ACTIVATIONS",
+    "Frame",
+    "FrameDecoder",
+    "encode_frame",
+    "encode_activations",
+    "decode_activations",
+    "activation_nbytes",
+    "ActivationDType",
+    "Role",
+    "Hello",
+    "Ready",
+    "Refused",
+    "HELLO_SIZE",
+    "encode_hello",
+    "decode_hello",
+    "encode_ready",
+    "encode_refusal",
+    "ReadyDecoder",
+    "MAX_TOKENS_PER_MESSAGE",
+    "MAX_WINDOW_IDS",
+    "MAX_ERROR_MESSAGE",
+    "MAX_HEADER_BYTES",
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "MAX_ACTIVATION_COLS",
+]
+
+
+@pytest.mark.parametrize("name", PUBLIC_NAMES)
+def test_public_names_are_exported(name: str) -> None:
+    assert hasattr(proto, name)
+
+
+def test_protocol_core_never_imports_trio() -> None:
+    # stagerun/__init__ pulls in the Trio runtime, so register a bare package shell for
+    # "stagerun" and import only the protocol core (and what it imports) into a fresh process.
+    package_dir = Path(proto.__file__).resolve().parents[1]
+    code = textwrap.dedent(
+        """
+        import sys, types
+        shell = types.ModuleType("stagerun")
+        shell.__path__ = [sys.argv[1]]
+        sys.modules["stagerun"] = shell
+        import stagerun._proto
+        assert "trio" not in sys.modules, "stagerun._proto imported trio"
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(package_dir)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_kinds_and_activation_carriers() -> None:
+    assert list(MESSAGE_TYPES) == [
+        "configure", "prefill", "decode", "verify", "cancel",
+        "trim", "stop", "ack", "predictions", "error",
+    ]  # fmt: skip
+    assert all(cls.kind == kind for kind, cls in MESSAGE_TYPES.items())
+    assert {Prefill, Decode, Verify} == CARRIES_ACTIVATIONS
+
+
+def test_stage_stats_merge_sums_every_field() -> None:
+    a = StageStats(1, 2, 3, 4, 5)
+    b = StageStats(10, 20, 30, 40, 50)
+    assert a.merge(b) == StageStats(11, 22, 33, 44, 55)
+    assert a.merge(StageStats()) == a
+    assert StageStats().merge(StageStats()) == StageStats(0, 0, 0, 0, 0)
+
+
+def test_sampling_params_defaults_and_int_floats() -> None:
+    assert SamplingParams() == SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=0)
+    params = SamplingParams(temperature=1, top_p=1, seed=2**64 - 1)
+    assert type(params.temperature) is float and type(params.top_p) is float
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+        ({"temperature": math.nan}, "temperature must be a finite float, got nan"),
+        ({"temperature": math.inf}, "finite float"),
+        ({"temperature": "1"}, "finite float, got '1'"),
+        ({"temperature": True}, "finite float, got True"),
+        ({"top_k": -1}, r"top_k must be an int in \[0, 2\*\*63\), got -1"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, "got 1.5"),
+        ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*64\)"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_sampling_params_validation(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: Decode(1, 0, ()), "Decode.tokens must not be empty"),
+        (lambda: Prefill(1, 0, 0, [], True), "Prefill.tokens must not be empty"),
+        (lambda: Verify(1, 0, 0, 0, ()), "Verify.tokens must not be empty"),
+        (lambda: Decode(1, 0, (2**31,)), r"Decode.tokens\[0\] must be an int in \[0, 2\*\*31\)"),
+        (lambda: Decode(1, 0, (1, -1)), r"tokens\[1\].*got -1"),
+        (lambda: Decode(1, 0, (1, True)), r"tokens\[1\].*got True"),
+        (lambda: Decode(1, 0, (1.0,)), r"tokens\[0\].*got 1.0"),  # type: ignore[arg-type]
+        (lambda: Decode(1, 0, "ab"), "tuple of ints, got 'ab'"),  # type: ignore[arg-type]
+        (lambda: Decode(1, 0, (0,) * (MAX_TOKENS_PER_MESSAGE + 1)), "limit of 65536"),
+        (lambda: Decode(-1, 0, (1,)), "Decode.request_id"),
+        (lambda: Decode(1, 2**63, (1,)), "Decode.position"),
+        (lambda: Decode(1, "5", (1,)), "got '5'"),  # type: ignore[arg-type]
+        (lambda: Prefill(1, 0, 0, (1,), 1), "Prefill.predict must be a bool, got 1"),  # type: ignore[arg-type]
+        (lambda: Configure(1, 2**64, 0), "return_key must be an int in \\[0, 2\\*\\*64\\)"),
+        (lambda: Configure(1, 0, -1), "prompt_len"),
+        (lambda: Cancel(1, 0, (0,) * (MAX_WINDOW_IDS + 1)), "holds 65 items, more than the limit"),
+        (lambda: Cancel(1, 0, (2**63,)), r"window_ids\[0\]"),
+        (lambda: Trim(1, -3), "Trim.position"),
+        (lambda: Stop(None), "Stop.request_id"),  # type: ignore[arg-type]
+        (lambda: Error(1, 0, "x" * (MAX_ERROR_MESSAGE + 1)), "4097 characters long"),
+        (lambda: Error(1, 0, b"bytes"), "must be a str"),  # type: ignore[arg-type]
+        (lambda: Predictions(1, 0, 0, (1,), stats=None), "stats"),  # type: ignore[arg-type]
+    ],
+)
+def test_invalid_messages_cannot_be_built(build: Any, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        build()
+
+
+def test_token_sequences_are_normalised_to_tuples_of_ints() -> None:
+    assert Decode(1, 0, [5, 6]).tokens == (5, 6)
+    from_numpy = Decode(1, 0, np.array([5, 6], dtype=np.int64))
+    assert from_numpy.tokens == (5, 6) and all(type(t) is int for t in from_numpy.tokens)
+    assert Decode(1, 0, tuple(np.array([7], dtype=np.int32))).tokens == (7,)
+    assert Cancel(1, 2, [3, 4]).window_ids == (3, 4)
+    assert Predictions(1, 0, 0, ()).tokens == ()  # predictions may be empty
+    assert Decode(1, 0, (1,)) == Decode(1, 0, [1])  # and so compare and hash equal
+    assert hash(Decode(1, 0, (1,))) == hash(Decode(1, 0, [1]))
+
+
+def test_unstructure_gives_plain_msgpack_values() -> None:
+    message = Predictions(1, 2, 3, (4, 5), StageStats(compute_us=9))
+    assert unstructure_message(message) == {
+        "request_id": 1,
+        "window_id": 2,
+        "position": 3,
+        "tokens": [4, 5],
+        "stats": {
+            "compute_us": 9,
+            "forward_write_us": 0,
+            "downstream_wait_us": 0,
+            "stage_count": 0,
+            "token_count": 0,
+        },
+    }
+    configure = Configure(1, 2, 3, SamplingParams(0.7, 40, 0.9, 5))
+    assert structure_message("configure", unstructure_message(configure)) == configure
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "match"),
+    [
+        ("nope", {}, "unknown message kind 'nope'; expected one of configure, prefill"),
+        (None, {}, "unknown message kind None"),
+        (["decode"], {}, "unknown message kind"),
+        ("trim", {"request_id": 1}, "bad trim message: Trim is missing field 'position'"),
+        ("stop", {"request_id": 1, "extra": 2}, "Stop has unknown field 'extra'"),
+        ("stop", {"request_id": 1, b"x": 2}, "unknown field b'x'"),
+        ("stop", None, "Stop fields must be a map, got None"),
+        ("ack", {"request_id": 1, "stats": [0, 0, 0, 0, 0]}, "StageStats fields must be a map"),
+        ("ack", {"request_id": 1, "stats": {"compute_us": 1}}, "StageStats is missing field"),
+        ("trim", {"request_id": 1, "position": 2.0}, "Trim.position must be an int"),
+        ("cancel", {"request_id": 1, "epoch": 0, "window_ids": [1, "2"]}, r"window_ids\[1\]"),
+    ],
+)
+def test_structure_message_errors_are_protocol_errors(kind: Any, fields: Any, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        structure_message(kind, fields)
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6) | st.binary(),
+    lambda inner: (
+        st.lists(inner, max_size=3).map(tuple)
+        | st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+names = st.sampled_from(
+    sorted({field.name for cls in MESSAGE_TYPES.values() for field in attrs.fields(cls)} | {"x"})
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(list(MESSAGE_TYPES)), st.dictionaries(names, values, max_size=7))
+def test_structuring_anything_gives_a_message_or_a_protocol_error(
+    kind: str, fields: dict[str, Any]
+) -> None:
+    try:
+        message = structure_message(kind, fields)
+    except ProtocolError:
+        return
+    assert structure_message(kind, unstructure_message(message)) == message
+
+
+def test_messages_are_frozen() -> None:
+    message = Decode(1, 0, (1,))
+    with pytest.raises(AttributeError):
+        message.position = 3  # type: ignore[misc]
+    assert Ack(1).stats == StageStats()
