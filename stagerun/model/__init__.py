@@ -1,0 +1,15 @@
+"""GGUF models: resolving names, reading shapes and weights, tokenizing, chat templates."""
+
+from ._chat import CHATML_TEMPLATE as CHATML_TEMPLATE
+from ._chat import ChatTemplateError as ChatTemplateError
+from ._chat import render_chat as render_chat
+from ._gguf import LayerWeights as LayerWeights
+from ._gguf import ModelConfig as ModelConfig
+from ._gguf import ModelFile as ModelFile
+from ._gguf import StageWeights as StageWeights
+from ._gguf import open_model as open_model
+from ._resolve import KNOWN_MODELS as KNOWN_MODELS
+from ._resolve import KnownModel as KnownModel
+from ._resolve import resolve_model as resolve_model
+from ._tokenizer import StreamDecoder as StreamDecoder
+from ._tokenizer import Tokenizer as Tokenizer

@@ -1,0 +1,325 @@
+"""Reading a llama GGUF file: its shape, its tokenizer, and one stage's weights.
+
+Theory of operation: ``open_model`` memory-maps the file with ``gguf.GGUFReader`` (which parses
+every key and tensor header up front, about 2 s for the default model because of its 49k-entry
+vocabulary) and checks that it is a llama model whose tensors ``gguf.quants`` can dequantize.
+Nothing is dequantized then. ``ModelFile.load_weights(lo, hi, ...)`` dequantizes only the tensors
+of one stage -- the blocks ``lo..hi-1``, plus the embeddings for the first stage and the output
+norm and head for the last -- into float32 ``(out, in)`` arrays, the orientation a PyTorch
+``nn.Linear`` uses. A tied model (no ``output.weight``) reuses ``token_embd`` as the head.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from .._errors import LayerRangeError, ModelError, UnsupportedModelError
+from ._chat import CHATML_TEMPLATE, render_chat
+from ._resolve import resolve_model
+from ._tokenizer import Tokenizer, eog_ids_from_vocab
+
+__all__ = ["LayerWeights", "ModelConfig", "ModelFile", "StageWeights", "open_model"]
+
+F32 = npt.NDArray[np.float32]
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_LAYER_TENSORS = (
+    "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+    "ffn_norm", "ffn_gate", "ffn_up", "ffn_down",
+)  # fmt: skip
+
+
+@attrs.frozen
+class ModelConfig:
+    """The shape of a model, read from its GGUF metadata."""
+
+    name: str
+    architecture: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    rope_base: float
+    rms_eps: float
+    context_length: int
+    tied_output: bool
+    bos_id: int | None
+    eos_id: int | None
+    eog_ids: frozenset[int]
+
+
+@attrs.frozen(eq=False)
+class LayerWeights:
+    """One transformer block, float32, matrices as ``(out, in)``."""
+
+    attn_norm: F32
+    wq: F32
+    wk: F32
+    wv: F32
+    wo: F32
+    ffn_norm: F32
+    w_gate: F32
+    w_up: F32
+    w_down: F32
+
+
+@attrs.frozen(eq=False)
+class StageWeights:
+    """The weights one stage needs: blocks ``lo..hi-1`` and, maybe, the ends of the model.
+
+    ``output`` is the very same array as ``token_embd`` for a tied model that loads both.
+    ``tensor_names`` lists what was dequantized from the file.
+    """
+
+    lo: int
+    hi: int
+    layers: tuple[LayerWeights, ...]
+    token_embd: F32 | None
+    output_norm: F32 | None
+    output: F32 | None
+    tensor_names: frozenset[str]
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+class ModelFile:
+    """An open GGUF model file. Use :func:`open_model` to make one."""
+
+    def __init__(self, path: pathlib.Path, reader: gguf.GGUFReader) -> None:
+        self.path = path
+        self._reader = reader
+        self._tensors = {t.name: t for t in reader.tensors}
+        self.config = self._read_config()
+        self._check_tensors()
+        template = _field(reader, "tokenizer.chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self._sha256: str | None = None
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"<ModelFile {c.name!r} arch={c.architecture} layers={c.n_layers} "
+            f"d_model={c.d_model} vocab={c.vocab_size} path={str(self.path)!r}>"
+        )
+
+    # -- metadata -------------------------------------------------------------------------
+
+    def _get(self, key: str, default: Any = ...) -> Any:
+        value = _field(self._reader, key)
+        if value is None:
+            if default is ...:
+                raise ModelError(f"{self.path} lacks the GGUF key {key!r}; the file is incomplete.")
+            return default
+        return value
+
+    def _read_config(self) -> ModelConfig:
+        arch = self._get("general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{self.path.name} is a {arch!r} model; stagerun runs only "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)} models."
+            )
+        d_model = int(self._get(f"{arch}.embedding_length"))
+        n_heads = int(self._get(f"{arch}.attention.head_count"))
+        head_dim = int(self._get(f"{arch}.attention.key_length", d_model // n_heads))
+        rope_dims = int(self._get(f"{arch}.rope.dimension_count", head_dim))
+        scaling = self._get(f"{arch}.rope.scaling.type", "none")
+        if rope_dims != head_dim or scaling != "none" or "rope_freqs.weight" in self._tensors:
+            raise UnsupportedModelError(
+                f"{self.path.name} uses partial or scaled RoPE, which stagerun does not support."
+            )
+        tokens = self._get("tokenizer.ggml.tokens", [])
+        embd = self._tensors.get("token_embd.weight")
+        vocab = self._get(
+            f"{arch}.vocab_size", len(tokens) or (int(embd.shape[1]) if embd is not None else 0)
+        )
+        bos = self._get("tokenizer.ggml.bos_token_id", None)
+        eos = self._get("tokenizer.ggml.eos_token_id", None)
+        extra = [self._get(f"tokenizer.ggml.{k}_token_id", None) for k in ("eot", "eom")]
+        return ModelConfig(
+            name=str(self._get("general.name", self.path.stem)),
+            architecture=arch,
+            n_layers=int(self._get(f"{arch}.block_count")),
+            d_model=d_model,
+            n_heads=n_heads,
+            n_kv_heads=int(self._get(f"{arch}.attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            d_ff=int(self._get(f"{arch}.feed_forward_length")),
+            vocab_size=int(vocab),
+            rope_base=float(self._get(f"{arch}.rope.freq_base", 10000.0)),
+            rms_eps=float(self._get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            context_length=int(self._get(f"{arch}.context_length", 2048)),
+            tied_output="output.weight" not in self._tensors,
+            bos_id=None if bos is None else int(bos),
+            eos_id=None if eos is None else int(eos),
+            eog_ids=eog_ids_from_vocab(tokens, [eos, *extra]),
+        )
+
+    def _check_tensors(self) -> None:
+        c = self.config
+        names = ["token_embd.weight", "output_norm.weight"]
+        names += [f"blk.{i}.{t}.weight" for i in range(c.n_layers) for t in _LAYER_TENSORS]
+        missing = [n for n in names if n not in self._tensors]
+        if missing:
+            raise ModelError(
+                f"{self.path.name} lacks {len(missing)} tensors the llama layout needs "
+                f"(first: {missing[0]!r})."
+            )
+        known = getattr(gguf.quants, "_type_traits", None)
+        if known is None:  # gguf changed its internals: leave the check to load time
+            return
+        plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        for t in self._reader.tensors:
+            if t.tensor_type not in plain and t.tensor_type not in known:
+                raise _unsupported_type(self.path, t.name, t.tensor_type)
+
+    # -- tokenizer and chat -----------------------------------------------------------------
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, built from the GGUF vocabulary on first use."""
+        return Tokenizer.from_gguf_fields(
+            model=self._get("tokenizer.ggml.model", None),
+            pre=self._get("tokenizer.ggml.pre", None),
+            tokens=self._get("tokenizer.ggml.tokens", []),
+            token_types=self._get("tokenizer.ggml.token_type", []),
+            merges=self._get("tokenizer.ggml.merges", []),
+            bos_id=self.config.bos_id,
+            eos_id=self.config.eos_id,
+            eog_ids=self.config.eog_ids,
+            add_bos=bool(self._get("tokenizer.ggml.add_bos_token", False)),
+            source=self.path.name,
+        )
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render messages with the model's chat template (ChatML when the file has none)."""
+        tok = self.tokenizer
+        return render_chat(
+            self.chat_template or CHATML_TEMPLATE,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=tok.token_text(tok.bos_id),
+            eos_token=tok.token_text(tok.eos_id),
+        )
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Render messages and tokenize them, as the prompt of a chat completion.
+
+        Control tokens in the rendered text become their ids; no BOS is prepended, because a
+        template that wants one writes it itself (Hugging Face does the same).
+        """
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.encode(text, special=True, add_bos=False)
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def check_layers(self, lo: int, hi: int) -> None:
+        """Raise LayerRangeError unless ``0 <= lo < hi <= n_layers``."""
+        n = self.config.n_layers
+        if not (0 <= lo < hi <= n):
+            raise LayerRangeError(
+                f"layer range [{lo}, {hi}) is not a non-empty part of [0, {n}); "
+                f"the model has {n} layers."
+            )
+
+    def _tensor(self, name: str) -> F32:
+        t = self._tensors[name]
+        shape = tuple(int(d) for d in reversed(t.shape))
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise _unsupported_type(self.path, name, t.tensor_type) from exc
+        return np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+
+    def load_weights(self, lo: int, hi: int, *, embeddings: bool, head: bool) -> StageWeights:
+        """Dequantize the weights of blocks ``lo..hi-1`` and, if asked, the model's ends.
+
+        Args:
+            lo: first block, inclusive.
+            hi: last block, exclusive.
+            embeddings: load ``token_embd`` (the first stage needs it).
+            head: load the output norm and head (the last stage needs them).
+        """
+        self.check_layers(lo, hi)
+        loaded: list[str] = []
+
+        def get(name: str) -> F32:
+            loaded.append(name)
+            return self._tensor(name)
+
+        layers = tuple(
+            LayerWeights(*(get(f"blk.{i}.{t}.weight") for t in _LAYER_TENSORS))
+            for i in range(lo, hi)
+        )
+        tied = self.config.tied_output
+        embd = get("token_embd.weight") if embeddings or (head and tied) else None
+        output: F32 | None = None
+        if head:
+            output = embd if tied else get("output.weight")
+        return StageWeights(
+            lo=lo,
+            hi=hi,
+            layers=layers,
+            token_embd=embd if embeddings else None,
+            output_norm=get("output_norm.weight") if head else None,
+            output=output,
+            tensor_names=frozenset(loaded),
+        )
+
+    def tensor_names(self) -> list[str]:
+        """Names of every tensor in the file, in file order."""
+        return list(self._tensors)
+
+    def sha256(self) -> str:
+        """Hex SHA-256 of the file (streamed, computed once)."""
+        if self._sha256 is None:
+            digest = hashlib.sha256()
+            with self.path.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            self._sha256 = digest.hexdigest()
+        return self._sha256
+
+
+def _unsupported_type(path: pathlib.Path, name: str, qtype: Any) -> UnsupportedModelError:
+    kind = getattr(qtype, "name", str(qtype))
+    return UnsupportedModelError(
+        f"{path.name}: tensor {name!r} has type {kind}, which gguf cannot dequantize."
+    )
+
+
+def open_model(name_or_path: str | os.PathLike[str]) -> ModelFile:
+    """Open a model by name (``smollm2``) or GGUF path; nothing is dequantized yet.
+
+    Raises:
+        ModelNotFoundError: see :func:`resolve_model`.
+        ModelError: the file is not a readable GGUF file, or lacks what a llama model needs.
+        UnsupportedModelError: the architecture is not llama, or a tensor type is unknown.
+    """
+    path = resolve_model(name_or_path)
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as exc:
+        raise ModelError(f"{path} is not a readable GGUF file ({exc}).") from exc
+    return ModelFile(path, reader)

