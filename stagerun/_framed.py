@@ -123,9 +123,7 @@ class FrameStream:
                         raise LaneBrokenError(f"{self.peer} closed the connection")
                     self._decoder.receive_data(data)
         except trio.TooSlowError as exc:
-            raise LaneTimeoutError(
-                f"{self.peer} sent no reply within {timeout:g}s"
-            ) from exc
+            raise LaneTimeoutError(f"{self.peer} sent no reply within {timeout:g}s") from exc
         except ProtocolError as exc:
             self._broken = "protocol error"
             raise LaneBrokenError(f"{self.peer} sent a malformed frame: {exc}") from exc
@@ -151,7 +149,7 @@ class FrameStream:
         try:
             probe.setblocking(False)
             try:
-                data = probe.recv(1, socket.MSG_PEEK)
+                probe.recv(1, socket.MSG_PEEK)
             except BlockingIOError:
                 return True
             except OSError as exc:
@@ -195,9 +193,7 @@ async def client_handshake(
                     break
                 data = await stream.receive_some(4096)
                 if not data:
-                    raise LaneHandshakeError(
-                        f"{peer} closed the connection before it became ready"
-                    )
+                    raise LaneHandshakeError(f"{peer} closed the connection before it became ready")
                 decoder.receive_data(data)
     except trio.TooSlowError as exc:
         raise LaneHandshakeError(

@@ -57,7 +57,9 @@ class TcpTransport:
         except trio.TooSlowError as exc:
             raise LaneHandshakeError(f"could not connect to {where} within {timeout:g}s") from exc
         except OSError as exc:
-            raise LaneHandshakeError(f"could not connect to {where}: {exc.strerror or exc}") from exc
+            raise LaneHandshakeError(
+                f"could not connect to {where}: {exc.strerror or exc}"
+            ) from exc
         stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         return stream
 

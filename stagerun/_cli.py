@@ -1,0 +1,218 @@
+"""The ``stagerun`` command line: generate, stage, bench, models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from ._errors import StagerunError
+from ._proto import SamplingParams
+
+
+def _layer_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"layer range {text!r} must look like LO:HI, e.g. 0:10")
+    return int(lo), int(hi)
+
+
+def _layer_ranges(text: str) -> list[tuple[int, int]]:
+    return [_layer_range(part) for part in text.split(",") if part.strip()]
+
+
+def _stage_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"stage counts {text!r} must look like 1,2,3") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError("stage counts must be positive integers")
+    return counts
+
+
+def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="model name or GGUF path (default: smollm2)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads per stage")
+    p.add_argument(
+        "--inproc",
+        action="store_true",
+        help="run all stages as tasks in this process (default: one process per stage)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=["f32", "f16", "q8"],
+        default="f32",
+        help="activation dtype on lanes",
+    )
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stagerun", description="Run one language model split by layers across stages."
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--stages", type=int, default=1, help="number of stages (default 1)")
+    gen.add_argument("--layers", type=_layer_ranges, help="explicit ranges, e.g. 0:10,10:30")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    _add_pipeline_options(gen)
+    _sampling_options(gen)
+
+    stage = sub.add_parser("stage", help="serve one stage (layers LO:HI) to upstream lanes")
+    stage.add_argument("--model", default="smollm2")
+    stage.add_argument("--layers", type=_layer_range, required=True, help="LO:HI")
+    stage.add_argument("--index", type=int, default=1, help="this stage's index (>= 1)")
+    stage.add_argument("--host", default="127.0.0.1")
+    stage.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    stage.add_argument("--downstream", default=None, help="address of the next stage")
+    stage.add_argument("--threads", type=int, default=None)
+    stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
+
+    bench = sub.add_parser("bench", help="measure throughput, side by side in one run")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    decode = bench_sub.add_parser("decode", help="decode tokens/s per stage count")
+    decode.add_argument("--stages", type=_stage_counts, default=[1, 2, 3])
+    decode.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
+    decode.add_argument("--rounds", type=int, default=3, help="interleaved rounds per config")
+    decode.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
+    decode.add_argument("--json", action="store_true")
+    _add_pipeline_options(decode)
+
+    sub.add_parser("models", help="list the models stagerun can find by name")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if args.command == "generate":
+            return trio.run(_generate, args)
+        if args.command == "stage":
+            return trio.run(_stage, args)
+        if args.command == "bench":
+            from ._bench import run_bench
+
+            return trio.run(run_bench, args)
+        if args.command == "models":
+            return _models()
+    except StagerunError as exc:
+        print(f"stagerun: error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"stagerun: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from ._pipeline import open_pipeline
+
+    if not args.json and args.stages > 1 and not args.inproc:
+        print(f"stagerun: starting {args.stages} stages...", file=sys.stderr)
+    async with open_pipeline(
+        args.model,
+        stages=args.stages if args.layers is None else len(args.layers),
+        layers=args.layers,
+        mode="inproc" if args.inproc else "processes",
+        threads=args.threads,
+        wire_dtype=args.wire_dtype,
+    ) as pipeline:
+
+        def show(chunk: Any) -> None:
+            if not args.json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+
+        result = await pipeline.complete(
+            args.prompt,
+            max_tokens=args.max_tokens,
+            sampling=_sampling(args),
+            chat=args.chat,
+            on_token=show,
+        )
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "prompt_token_ids": result.prompt_token_ids,
+                    "finish_reason": result.finish_reason,
+                    "timings": result.timings,
+                }
+            )
+        )
+    else:
+        sys.stdout.write("\n")
+        t = result.timings
+        print(
+            f"stagerun: {int(t['prompt_n'])} prompt tokens in {t['prompt_ms']:.0f} ms, "
+            f"{int(t['predicted_n'])} generated at {t['predicted_per_second']:.1f} tokens/s "
+            f"({result.finish_reason})",
+            file=sys.stderr,
+        )
+    return 0
+
+
+async def _stage(args: argparse.Namespace) -> int:
+    from ._stage import serve_stage
+    from .backends import NumpyBackend
+
+    backend = NumpyBackend(args.model, args.layers, threads=args.threads)
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(
+            lambda task_status: serve_stage(
+                backend,
+                index=args.index,
+                downstream=args.downstream,
+                host=args.host,
+                port=args.port,
+                wire_dtype=args.wire_dtype,
+                task_status=task_status,
+            )
+        )
+        print(f"READY {address}", flush=True)
+        lo, hi = args.layers
+        print(
+            f"stagerun: stage {args.index} (layers {lo}..{hi}) ready at {address}", file=sys.stderr
+        )
+    return 0
+
+
+def _models() -> int:
+    from .model import resolve_model
+
+    try:
+        path = resolve_model("smollm2")
+        print(f"smollm2\t{path}")
+    except StagerunError as exc:
+        print(f"smollm2\t(not installed: {exc})")
+    return 0

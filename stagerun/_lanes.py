@@ -1,0 +1,322 @@
+"""Lanes and the lane pool: stage 0's persistent paths through the pipeline.
+
+Theory of operation (semantics of the original ``PersistentStageLanePool``):
+
+* A `Lane` is a forward connection to stage 1 plus a return connection to the last stage,
+  bound together by a random ``return_key`` (see docs/architecture.md). Lane ids come from a
+  counter and are never reused, so a replacement lane is always told apart from the one it
+  replaces.
+* The pool connects ``capacity`` lanes at start, one after another, with the long connect
+  deadline and a 20 s READY deadline; any failure fails the start.
+* `LanePool.checkout` pops the most recently returned lane (LIFO), probes it (EOF or any
+  unsolicited byte means dead), and otherwise connects a fresh lane with the short 3 s connect
+  and READY deadlines, so a dead stage fails a new request in seconds, not half a minute.
+* A request that succeeds ends with ``Stop`` + ``Ack`` and the lane goes back on the stack. A
+  request that fails in any way skips the graceful ``Stop`` (a dead peer would turn a bounded
+  failure into an unbounded wait): the lane is closed first, so the stage reclaims its
+  sessions, and a replacement is connected with the short deadlines. If that fails too the
+  pool is one lane short, and later checkouts connect on demand.
+* Steady-state reads and writes time out after ``STAGERUN_STAGE_REPLY_TIMEOUT_SECS`` (default
+  30, clamped to 1..3600).
+* The pool keeps the EWMA prefill transport estimate shared by its requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import trio
+
+from . import _proto
+from ._errors import LaneBrokenError, LaneError, LaneTimeoutError, StageError
+from ._framed import FrameStream, client_handshake
+from ._proto._prefill import PrefillTransportEstimate
+from .transports import TcpTransport, parse_address
+
+log = logging.getLogger("stagerun.lanes")
+
+REPLY_TIMEOUT_ENV = "STAGERUN_STAGE_REPLY_TIMEOUT_SECS"
+DEFAULT_REPLY_TIMEOUT = 30.0
+LANE_READY_TIMEOUT = 20.0
+LANE_STEADY_CONNECT_TIMEOUT = 3.0
+DEFAULT_CONNECT_TIMEOUT = 60.0
+
+
+def stage_reply_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """The steady-state read/write timeout in seconds (env, default 30, clamped 1..3600)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(REPLY_TIMEOUT_ENV, "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return DEFAULT_REPLY_TIMEOUT
+    if not math.isfinite(value):
+        return DEFAULT_REPLY_TIMEOUT
+    return min(max(value, 1.0), 3600.0)
+
+
+async def open_connection(
+    address: str,
+    *,
+    role: _proto.Role,
+    key: int = 0,
+    connect_timeout: float,
+    ready_timeout: float,
+) -> FrameStream:
+    """Connect to a stage and complete the handshake."""
+    _scheme, host, port = parse_address(address)
+    stream = await TcpTransport().connect(host, port, timeout=connect_timeout)
+    try:
+        return await client_handshake(
+            stream, peer=address, role=role, key=key, ready_timeout=ready_timeout
+        )
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+
+
+class Lane:
+    """One path through the pipeline: forward to stage 1, return from the last stage."""
+
+    def __init__(
+        self,
+        lane_id: int,
+        forward: FrameStream,
+        back: FrameStream,
+        *,
+        return_key: int,
+        reply_timeout: float,
+    ) -> None:
+        self.id = lane_id
+        self.forward = forward
+        self.back = back
+        self.return_key = return_key
+        self.reply_timeout = reply_timeout
+
+    def __repr__(self) -> str:
+        return f"<Lane id={self.id} forward={self.forward!r} back={self.back!r}>"
+
+    async def send(
+        self,
+        message: _proto.Message,
+        activations: np.ndarray[Any, Any] | None = None,
+        dtype: _proto.ActivationDType = "f32",
+    ) -> None:
+        await self.forward.send(message, activations, dtype, timeout=self.reply_timeout)
+
+    async def request_ack(self, message: _proto.Message) -> _proto.Ack:
+        """Send a message that the chain acknowledges, and wait for the merged ``Ack``."""
+        await self.send(message)
+        return await self.receive_ack()
+
+    async def receive_ack(self) -> _proto.Ack:
+        frame = await self.forward.receive(timeout=self.reply_timeout)
+        reply = frame.message
+        if isinstance(reply, _proto.Ack):
+            return reply
+        if isinstance(reply, _proto.Error):
+            raise StageError(f"stage {reply.stage_index}: {reply.message}")
+        raise LaneBrokenError(
+            f"lane {self.id}: expected an Ack from {self.forward.peer}, got {type(reply).__name__}"
+        )
+
+    async def receive_predictions(self) -> _proto.Predictions:
+        """Wait for the next ``Predictions`` on the return connection.
+
+        The forward connection is watched at the same time: a stage that fails reports an
+        ``Error`` upstream, and a broken forward connection means the chain is gone.
+        """
+        outcome: list[tuple[FrameStream, _proto.Frame | BaseException]] = []
+
+        async def watch(stream: FrameStream, cancel_scope: trio.CancelScope) -> None:
+            try:
+                outcome.append((stream, await stream.receive()))
+            except LaneError as exc:
+                outcome.append((stream, exc))
+            cancel_scope.cancel()
+
+        try:
+            with trio.fail_after(self.reply_timeout):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(watch, self.back, nursery.cancel_scope)
+                    nursery.start_soon(watch, self.forward, nursery.cancel_scope)
+        except trio.TooSlowError as exc:
+            raise LaneTimeoutError(
+                f"lane {self.id}: no prediction from {self.back.peer} within "
+                f"{self.reply_timeout:g}s"
+            ) from exc
+        stream, result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        reply = result.message
+        if isinstance(reply, _proto.Predictions) and stream is self.back:
+            return reply
+        if isinstance(reply, _proto.Error):
+            raise StageError(f"stage {reply.stage_index}: {reply.message}")
+        raise LaneBrokenError(
+            f"lane {self.id}: unexpected {type(reply).__name__} from {stream.peer}"
+        )
+
+    def is_live(self) -> bool:
+        return self.forward.is_live() and self.back.is_live()
+
+    async def aclose_forcefully(self) -> None:
+        await self.forward.aclose_forcefully()
+        await self.back.aclose_forcefully()
+
+
+class LanePool:
+    """A LIFO pool of lanes from stage 0 through the pipeline.
+
+    Args:
+        downstream: address of stage 1.
+        last_stage: address of the last stage (defaults to ``downstream``).
+        capacity: lanes connected at start (the request concurrency it is sized for).
+        connect_timeout: connect deadline for the lanes opened at start.
+    """
+
+    def __init__(
+        self,
+        downstream: str,
+        *,
+        last_stage: str | None = None,
+        capacity: int = 1,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        ready_timeout: float = LANE_READY_TIMEOUT,
+        steady_timeout: float = LANE_STEADY_CONNECT_TIMEOUT,
+        reply_timeout: float | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"lane pool capacity must be at least 1, got {capacity}")
+        self.downstream = downstream
+        self.last_stage = last_stage or downstream
+        self.capacity = capacity
+        self.connect_timeout = connect_timeout
+        self.ready_timeout = ready_timeout
+        self.steady_timeout = steady_timeout
+        self.reply_timeout = stage_reply_timeout() if reply_timeout is None else reply_timeout
+        self.prefill_transport = PrefillTransportEstimate()
+        self._idle: list[Lane] = []
+        self._busy = 0
+        self._next_id = 0
+        self.replaced = 0
+        self.replace_failures = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<LanePool capacity={self.capacity} idle={len(self._idle)} busy={self._busy} "
+            f"next_id={self._next_id}>"
+        )
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    async def start(self) -> None:
+        """Connect ``capacity`` lanes, one after another; any failure fails the start."""
+        for _ in range(self.capacity):
+            lane = await self.connect_lane(self.connect_timeout, self.ready_timeout)
+            self._idle.append(lane)
+        log.debug("lane pool ready: %r", self)
+
+    async def connect_lane(self, connect_timeout: float, ready_timeout: float) -> Lane:
+        """Open a new lane with a fresh, never reused id."""
+        lane_id = self._next_id
+        self._next_id += 1
+        key = secrets.randbits(64)
+        forward = await open_connection(
+            self.downstream,
+            role=_proto.Role.LANE,
+            connect_timeout=connect_timeout,
+            ready_timeout=ready_timeout,
+        )
+        try:
+            back = await open_connection(
+                self.last_stage,
+                role=_proto.Role.RETURN,
+                key=key,
+                connect_timeout=connect_timeout,
+                ready_timeout=ready_timeout,
+            )
+        except BaseException:
+            await forward.aclose_forcefully()
+            raise
+        return Lane(lane_id, forward, back, return_key=key, reply_timeout=self.reply_timeout)
+
+    @asynccontextmanager
+    async def checkout(self, request_id: int) -> AsyncIterator[Lane]:
+        """Lend a lane for one request.
+
+        On a clean exit the pool sends ``Stop`` for ``request_id``, waits for the ``Ack`` and
+        puts the lane back; on any exception (cancellation included) the lane is closed
+        without ``Stop`` and replaced.
+        """
+        lane = self._idle.pop() if self._idle else None
+        if lane is not None and not lane.is_live():
+            log.info("lane %d was dead at checkout; connecting a fresh one", lane.id)
+            await lane.aclose_forcefully()
+            lane = None
+        if lane is None:
+            lane = await self.connect_lane(self.steady_timeout, self.steady_timeout)
+        self._busy += 1
+        try:
+            try:
+                yield lane
+            except BaseException:
+                await self._retire(lane)
+                raise
+            try:
+                await lane.request_ack(_proto.Stop(request_id=request_id))
+            except (LaneError, StageError) as exc:
+                log.info("lane %d failed to stop cleanly (%s); replacing it", lane.id, exc)
+                await self._retire(lane)
+            else:
+                self._idle.append(lane)
+        finally:
+            self._busy -= 1
+
+    async def _retire(self, lane: Lane) -> None:
+        with trio.CancelScope(shield=True):
+            await lane.aclose_forcefully()
+            await self.replace_lane(lane.id)
+
+    async def replace_lane(self, retired_lane_id: int) -> None:
+        """Connect a replacement for a retired lane with the short deadlines."""
+        try:
+            lane = await self.connect_lane(self.steady_timeout, self.steady_timeout)
+        except LaneError as exc:
+            self.replace_failures += 1
+            log.warning("could not replace lane %d: %s", retired_lane_id, exc)
+            return
+        self.replaced += 1
+        log.info("lane %d replaced by lane %d", retired_lane_id, lane.id)
+        self._idle.append(lane)
+
+    async def aclose(self) -> None:
+        """Close every idle lane (lanes still lent out are closed by their requests)."""
+        lanes, self._idle = self._idle, []
+        for lane in lanes:
+            await lane.aclose_forcefully()
+
+    async def __aenter__(self) -> LanePool:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with trio.CancelScope(shield=True):
+            await self.aclose()

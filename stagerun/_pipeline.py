@@ -1,0 +1,511 @@
+"""`open_pipeline()`: the nursery that owns the stages, the lanes and the requests.
+
+Theory of operation: stage 0 lives in the calling process. It owns the tokenizer, the first
+layer range and a `LanePool` to the rest of the pipeline, which is either started here (as
+Trio tasks in this process, or as ``stagerun stage`` child processes on loopback) or already
+running elsewhere (``remote`` addresses). Everything started here is a child of the pipeline's
+nursery, so leaving the ``async with`` block stops every stage and process.
+
+A request checks out a lane, configures the chain, sends the prompt in prefill chunks (the
+last chunk asks the last stage for a prediction), then decodes one token per round trip: stage
+0 computes its layers for the newest token and sends the activations; the prediction comes
+straight back from the last stage. On success the pool ends the request with ``Stop``; on any
+failure (or cancellation) the lane is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+import trio
+
+from . import _proto
+from ._errors import StageError
+from ._lanes import LanePool
+from ._sampling import sample_token
+from ._stage import serve_stage
+from ._util import single_exceptions
+from .backends import NumpyBackend
+from .model import ModelFile, open_model
+
+Mode = Literal["inproc", "processes"]
+DEFAULT_PREFILL_CHUNK = 256
+
+
+def split_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Split ``n_layers`` into ``stages`` contiguous ranges as evenly as possible."""
+    if not 1 <= stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {stages} stages")
+    base, extra = divmod(n_layers, stages)
+    ranges, lo = [], 0
+    for i in range(stages):
+        hi = lo + base + (1 if i < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+@attrs.frozen
+class TokenChunk:
+    """One generated token and the text it completes (may be empty mid-character)."""
+
+    token_id: int
+    text: str
+
+
+@attrs.frozen
+class Completion:
+    """The result of one request."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: Literal["stop", "length"]
+    timings: dict[str, float]
+
+
+@attrs.frozen
+class StageInfo:
+    """Where a stage runs and what it holds."""
+
+    index: int
+    layers: tuple[int, int]
+    address: str | None  # None for stage 0 (this process)
+    pid: int | None = None
+
+
+class Pipeline:
+    """A running pipeline; use `open_pipeline` to get one."""
+
+    def __init__(
+        self,
+        model: ModelFile,
+        backend0: NumpyBackend,
+        stages: list[StageInfo],
+        pool: LanePool | None,
+        *,
+        wire_dtype: _proto.ActivationDType,
+        prefill_chunk: int,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.tokenizer = model.tokenizer
+        self.stages = stages
+        self.pool = pool
+        self.wire_dtype = wire_dtype
+        self.prefill_chunk = prefill_chunk
+        self._backend0 = backend0
+        self._compute_lock = trio.Lock()
+
+    def __repr__(self) -> str:
+        layout = ",".join(f"{lo}-{hi}" for lo, hi in (s.layers for s in self.stages))
+        return f"<Pipeline model={self.config.name!r} stages={len(self.stages)} layers={layout} pool={self.pool!r}>"
+
+    def encode_prompt(
+        self, prompt: str | Sequence[int] | Sequence[dict[str, str]], *, chat: bool = False
+    ) -> list[int]:
+        """Token ids for a prompt: text, ids, or (with ``chat``) text or a list of messages."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.model.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        items = list(prompt)
+        if items and isinstance(items[0], dict):
+            return self.model.apply_chat_template(items)  # type: ignore[arg-type]
+        return [int(t) for t in items]  # type: ignore[call-overload]
+
+    @asynccontextmanager
+    async def generate(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, str]],
+        *,
+        max_tokens: int = 128,
+        sampling: _proto.SamplingParams | None = None,
+        chat: bool = False,
+    ) -> AsyncIterator[GenerationStream]:
+        """Stream a generation: ``async with p.generate(...) as s: async for chunk in s``.
+
+        Leaving the block early cancels the request (its lane is replaced, not reused).
+        """
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
+        params = sampling or _proto.SamplingParams()
+        send, receive = trio.open_memory_channel[TokenChunk](64)
+        stream = GenerationStream(receive)
+
+        async def run() -> None:
+            async with send:
+                try:
+                    stream.result = await self._run(prompt_ids, max_tokens, params, send.send)
+                except Exception as exc:  # handed to the consumer, not lost in a group
+                    stream.error = exc
+
+        with single_exceptions():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                try:
+                    yield stream
+                finally:
+                    if stream.result is None and stream.error is None:
+                        nursery.cancel_scope.cancel(reason="generation stream left early")
+        if stream.error is not None and not stream.error_raised:
+            stream.error_raised = True
+            raise stream.error
+
+    async def complete(
+        self,
+        prompt: str | Sequence[int] | Sequence[dict[str, str]],
+        *,
+        max_tokens: int = 128,
+        sampling: _proto.SamplingParams | None = None,
+        chat: bool = False,
+        on_token: Callable[[TokenChunk], Any] | None = None,
+        ignore_eog: bool = False,
+    ) -> Completion:
+        """Run one request to the end and return its `Completion`.
+
+        ``ignore_eog`` keeps generating past end-of-generation tokens (benchmarks use it to
+        produce exactly ``max_tokens``).
+        """
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
+
+        async def emit(chunk: TokenChunk) -> None:
+            if on_token is not None:
+                on_token(chunk)
+
+        return await self._run(
+            prompt_ids, max_tokens, sampling or _proto.SamplingParams(), emit, ignore_eog=ignore_eog
+        )
+
+    async def _compute0(
+        self,
+        cache: Any,
+        position: int,
+        tokens: Sequence[int],
+        logits: Literal["last", "all"] = "last",
+    ) -> np.ndarray[Any, Any]:
+        ids = np.asarray(tokens, dtype=np.int64)
+        backend = self._backend0
+        async with self._compute_lock:
+            return await trio.to_thread.run_sync(
+                lambda: backend.forward(cache, position, tokens=ids, logits=logits)
+            )
+
+    async def _run(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: _proto.SamplingParams,
+        emit: Callable[[TokenChunk], Any],
+        *,
+        ignore_eog: bool = False,
+    ) -> Completion:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        context = self.config.context_length
+        if len(prompt_ids) >= context:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}"
+            )
+        max_tokens = min(max_tokens, context - len(prompt_ids))
+        request_id = secrets.randbits(62)
+        decoder = self.tokenizer.stream_decoder()
+        eog = frozenset[int]() if ignore_eog else self.config.eog_ids
+        generated: list[int] = []
+        finish: Literal["stop", "length"] = "length"
+        cache = self._backend0.new_cache()
+        t_start = time.perf_counter()
+        t_first = t_start
+
+        async def run_chain(next_token: Callable[[int, int], Any]) -> None:
+            nonlocal finish, t_first
+            token = await next_token(-1, 0)
+            t_first = time.perf_counter()
+            position = len(prompt_ids)
+            while True:
+                if token in eog:
+                    finish = "stop"
+                    return
+                generated.append(token)
+                await emit(TokenChunk(token, decoder.push(token)))
+                if len(generated) >= max_tokens:
+                    return
+                token = await next_token(token, position)
+                position += 1
+
+        if self.pool is None:
+
+            async def local_step(token: int, position: int) -> int:
+                if token < 0:
+                    logits = await self._compute0(cache, 0, prompt_ids)
+                    return sample_token(logits[-1], sampling, len(prompt_ids))
+                logits = await self._compute0(cache, position, [token])
+                return sample_token(logits[-1], sampling, position + 1)
+
+            await run_chain(local_step)
+        else:
+            async with self.pool.checkout(request_id) as lane:
+                await lane.request_ack(
+                    _proto.Configure(
+                        request_id=request_id,
+                        return_key=lane.return_key,
+                        prompt_len=len(prompt_ids),
+                        sampling=sampling,
+                    )
+                )
+
+                async def remote_step(token: int, position: int) -> int:
+                    if token < 0:
+                        await self._prefill(lane, request_id, cache, prompt_ids)
+                    else:
+                        hidden = await self._compute0(cache, position, [token])
+                        await lane.send(
+                            _proto.Decode(
+                                request_id=request_id, position=position, tokens=(token,)
+                            ),
+                            hidden,
+                            self.wire_dtype,
+                        )
+                    reply = await lane.receive_predictions()
+                    if reply.request_id != request_id:
+                        raise StageError(f"prediction for another request on lane {lane.id}")
+                    return int(reply.tokens[-1])
+
+                await run_chain(remote_step)
+        tail = decoder.flush()
+        if tail:
+            await emit(TokenChunk(-1, tail))
+        t_end = time.perf_counter()
+        n = len(generated)
+        decode_ms = (t_end - t_first) * 1000.0
+        timings = {
+            "prompt_n": float(len(prompt_ids)),
+            "prompt_ms": (t_first - t_start) * 1000.0,
+            "predicted_n": float(n),
+            "predicted_ms": decode_ms,
+            "predicted_per_second": (n - 1) * 1000.0 / decode_ms
+            if n > 1 and decode_ms > 0
+            else 0.0,
+        }
+        return Completion(
+            text=self.tokenizer.decode(generated),
+            token_ids=generated,
+            prompt_token_ids=list(prompt_ids),
+            finish_reason=finish,
+            timings=timings,
+        )
+
+    async def _prefill(self, lane: Any, request_id: int, cache: Any, prompt_ids: list[int]) -> None:
+        chunk = self.prefill_chunk
+        for index, start in enumerate(range(0, len(prompt_ids), chunk)):
+            piece = prompt_ids[start : start + chunk]
+            last = start + chunk >= len(prompt_ids)
+            hidden = await self._compute0(cache, start, piece, logits="all")
+            await lane.send(
+                _proto.Prefill(
+                    request_id=request_id,
+                    chunk_index=index,
+                    position=start,
+                    tokens=tuple(piece),
+                    predict=last,
+                ),
+                hidden,
+                self.wire_dtype,
+            )
+            if not last:
+                await lane.receive_ack()
+
+
+class GenerationStream:
+    """The token stream of one `Pipeline.generate` call; ``result`` is set at the end."""
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[TokenChunk]) -> None:
+        self._receive = receive
+        self.result: Completion | None = None
+        self.error: Exception | None = None
+        self.error_raised = False
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> TokenChunk:
+        try:
+            return await self._receive.receive()
+        except trio.EndOfChannel:
+            if self.error is not None and not self.error_raised:
+                self.error_raised = True
+                raise self.error from None
+            raise StopAsyncIteration from None
+
+
+async def _read_ready_line(proc: trio.Process, index: int) -> str:
+    assert proc.stdout is not None
+    buf = b""
+    while b"\n" not in buf:
+        data = await proc.stdout.receive_some(4096)
+        if not data:
+            raise StageError(
+                f"stage {index} exited before it was ready (exit code {proc.poll()}); "
+                "see its messages above"
+            )
+        buf += data
+    line = buf.split(b"\n", 1)[0].decode()
+    if not line.startswith("READY "):
+        raise StageError(f"stage {index} printed {line!r} instead of its ready line")
+    return line.split(" ", 1)[1].strip()
+
+
+@asynccontextmanager
+async def open_pipeline(
+    model: str | os.PathLike[str] = "smollm2",
+    *,
+    stages: int = 1,
+    layers: Sequence[tuple[int, int]] | None = None,
+    mode: Mode = "inproc",
+    remote: Sequence[str] | None = None,
+    threads: int | None = None,
+    wire_dtype: _proto.ActivationDType = "f32",
+    capacity: int = 1,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    host: str = "127.0.0.1",
+) -> AsyncIterator[Pipeline]:
+    """Start (or join) a pipeline and yield a `Pipeline` to run requests on.
+
+    Args:
+        model: a model name (``smollm2``) or a GGUF path.
+        stages: number of stages when ``layers`` is not given (layers split evenly).
+        layers: explicit ``[lo, hi)`` ranges, one per stage, contiguous from 0.
+        mode: ``inproc`` runs stages 1.. as Trio tasks here; ``processes`` spawns
+            ``stagerun stage`` children on loopback.
+        remote: addresses of already running stages 1..N-1 (then ``layers[0]`` or the even
+            split says what stage 0 holds, and nothing is started here).
+        threads: compute (BLAS) threads per stage.
+        wire_dtype: activation dtype on the wire (f32, f16 or q8).
+        capacity: lanes in the pool (concurrent requests served without connecting more).
+        prefill_chunk: prompt tokens per prefill frame.
+    """
+    model_file = open_model(model)
+    n_layers = model_file.config.n_layers
+    if remote is not None and layers is None:
+        stages = len(remote) + 1
+    ranges = list(layers) if layers is not None else split_layers(n_layers, stages)
+    _check_ranges(ranges, n_layers)
+    if remote is not None and len(remote) != len(ranges) - 1:
+        raise ValueError(
+            f"{len(ranges)} stages need {len(ranges) - 1} remote addresses, got {len(remote)}"
+        )
+    backend0 = NumpyBackend(model_file, ranges[0], threads=threads)
+    with single_exceptions():
+        async with trio.open_nursery() as nursery:
+            infos = [StageInfo(0, ranges[0], None)]
+            addresses: list[str] = []
+            if remote is not None:
+                addresses = list(remote)
+                infos += [StageInfo(i + 1, ranges[i + 1], a) for i, a in enumerate(addresses)]
+            elif len(ranges) > 1:
+                downstream: str | None = None
+                started: list[StageInfo] = []
+                for index in range(len(ranges) - 1, 0, -1):
+                    if mode == "inproc":
+                        backend = NumpyBackend(model_file, ranges[index], threads=threads)
+                        address = await nursery.start(
+                            lambda task_status, b=backend, i=index, d=downstream: serve_stage(
+                                b,
+                                index=i,
+                                downstream=d,
+                                host=host,
+                                wire_dtype=wire_dtype,
+                                task_status=task_status,
+                            )
+                        )
+                        started.append(StageInfo(index, ranges[index], address, os.getpid()))
+                    else:
+                        address, pid = await _spawn_stage(
+                            nursery,
+                            model_file,
+                            index,
+                            ranges[index],
+                            downstream,
+                            threads,
+                            wire_dtype,
+                            host,
+                        )
+                        started.append(StageInfo(index, ranges[index], address, pid))
+                    downstream = address
+                infos += reversed(started)
+                addresses = [s.address for s in infos[1:] if s.address is not None]
+            pool = None
+            if addresses:
+                pool = LanePool(addresses[0], last_stage=addresses[-1], capacity=capacity)
+                await pool.start()
+            pipeline = Pipeline(
+                model_file,
+                backend0,
+                infos,
+                pool,
+                wire_dtype=wire_dtype,
+                prefill_chunk=prefill_chunk,
+            )
+            try:
+                yield pipeline
+            finally:
+                if pool is not None:
+                    with trio.CancelScope(shield=True):
+                        await pool.aclose()
+                nursery.cancel_scope.cancel()
+
+
+def _check_ranges(ranges: Sequence[tuple[int, int]], n_layers: int) -> None:
+    expected = 0
+    for lo, hi in ranges:
+        if lo != expected or hi <= lo:
+            raise ValueError(
+                f"stage layer ranges {list(ranges)} must be contiguous, non-empty and start at 0"
+            )
+        expected = hi
+    if expected != n_layers:
+        raise ValueError(
+            f"stage layer ranges {list(ranges)} must end at the model's {n_layers} layers"
+        )
+
+
+async def _spawn_stage(
+    nursery: trio.Nursery,
+    model: ModelFile,
+    index: int,
+    layers: tuple[int, int],
+    downstream: str | None,
+    threads: int | None,
+    wire_dtype: str,
+    host: str,
+) -> tuple[str, int]:
+    cmd = [
+        sys.executable, "-m", "stagerun", "stage",
+        "--model", str(model.path),
+        "--layers", f"{layers[0]}:{layers[1]}",
+        "--index", str(index),
+        "--host", host, "--port", "0",
+        "--wire-dtype", wire_dtype,
+    ]  # fmt: skip
+    if downstream is not None:
+        cmd += ["--downstream", downstream]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    proc: trio.Process = await nursery.start(
+        lambda task_status: trio.run_process(  # noqa: ASYNC105 (awaited by nursery.start)
+            cmd, stdout=subprocess.PIPE, check=False, task_status=task_status
+        )
+    )
+    with trio.fail_after(120):
+        address = await _read_ready_line(proc, index)
+    return address, proc.pid

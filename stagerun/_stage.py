@@ -1,0 +1,406 @@
+"""The stage server: accept lanes, compute a layer range, forward, sample, reply.
+
+Theory of operation: every accepted connection is one task under the server's nursery. A
+connection opens with the handshake; its role says what it is:
+
+* ``LANE``: one hop of a chain. The task reads frames from upstream in order and carries each
+  out: compute through the backend (in a worker thread, one compute at a time per stage), then
+  either forward the activations downstream (middle stages; the downstream connection is
+  opened on the first message) or, on the last stage, sample and send ``Predictions`` over the
+  chain's return connection. Acknowledged messages wait for the downstream ``Ack``, merge its
+  stats and acknowledge upstream.
+* ``RETURN``: stage 0's return connection for one chain, parked under its key until a
+  ``Configure`` with that key binds it (last stage only).
+
+When a lane's upstream goes away, the task drops its sessions and closes its downstream (and,
+on the last stage, the bound return connection), so the break travels down the chain and
+reaches stage 0 at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import trio
+
+from . import _proto
+from ._errors import LaneError, LaneHandshakeError, StageError, StagerunError
+from ._framed import FrameStream, server_handshake
+from ._lanes import open_connection, stage_reply_timeout
+from ._sampling import sample_rows
+from .transports import TcpTransport, parse_address
+
+log = logging.getLogger("stagerun.stage")
+
+SINK_WAIT_SECONDS = 5.0
+DOWNSTREAM_CONNECT_SECONDS = 30.0
+
+
+class KVCache(Protocol):
+    @property
+    def length(self) -> int: ...
+
+    def trim(self, position: int) -> None: ...
+
+
+class Backend(Protocol):
+    """What the stage needs from a compute backend (see stagerun.backends)."""
+
+    @property
+    def layers(self) -> tuple[int, int]: ...
+
+    @property
+    def is_first(self) -> bool: ...
+
+    @property
+    def is_last(self) -> bool: ...
+
+    def new_cache(self) -> Any: ...
+
+    def forward(
+        self,
+        cache: Any,
+        position: int,
+        *,
+        tokens: Any = None,
+        hidden: Any = None,
+        logits: Any = "last",
+        should_stop: Any = None,
+    ) -> np.ndarray[Any, Any]: ...
+
+
+@attrs.define
+class Session:
+    """One request's state on one stage."""
+
+    cache: Any
+    sampling: _proto.SamplingParams
+    prompt_len: int
+
+
+def _us_since(start: float) -> int:
+    return int((time.perf_counter() - start) * 1e6)
+
+
+class StageServer:
+    """Serves one layer range of a model to upstream lanes.
+
+    Args:
+        backend: the compute backend for this stage's layers.
+        index: this stage's position in the pipeline (0 is the driver, so servers are >= 1).
+        downstream: address of the next stage, or None on the last stage.
+        wire_dtype: activation dtype used when forwarding downstream.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        index: int,
+        downstream: str | None = None,
+        wire_dtype: _proto.ActivationDType = "f32",
+    ) -> None:
+        if downstream is None and not backend.is_last:
+            lo, hi = backend.layers
+            raise ValueError(
+                f"stage {index} holds layers {lo}..{hi} but has no downstream stage; "
+                "give it --downstream or let it hold the model's last layer"
+            )
+        if downstream is not None and backend.is_last:
+            raise ValueError(f"stage {index} holds the model's last layer but has a downstream")
+        self.backend = backend
+        self.index = index
+        self.downstream = downstream
+        self.is_last = downstream is None
+        self.wire_dtype = wire_dtype
+        self.address: str | None = None
+        self.reply_timeout = stage_reply_timeout()
+        self._compute_lock = trio.Lock()
+        self._sinks: dict[int, FrameStream] = {}
+        self._sink_parked = trio.Condition()
+        self.lanes_open = 0
+        self.computes = 0
+
+    def __repr__(self) -> str:
+        lo, hi = self.backend.layers
+        return (
+            f"<StageServer index={self.index} layers={lo}..{hi} address={self.address} "
+            f"lanes={self.lanes_open} sinks={len(self._sinks)} computes={self.computes}>"
+        )
+
+    async def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen and serve until cancelled; reports the bound address when listening."""
+        if self.downstream is not None:
+            parse_address(self.downstream)  # fail early on a malformed address
+
+        async with trio.open_nursery() as nursery:
+            self.address = await nursery.start(
+                TcpTransport().serve, self._on_connection, host, port
+            )
+            log.info(
+                "stage %d serving layers %s on %s", self.index, self.backend.layers, self.address
+            )
+            task_status.started(self.address)
+
+    def _check_hello(self, hello: _proto.Hello) -> str | None:
+        if hello.role == _proto.Role.RETURN and not self.is_last:
+            return f"stage {self.index} is not the last stage and takes no return connections"
+        if hello.role == _proto.Role.RETURN and hello.key in self._sinks:
+            return "a return connection with this key is already open"
+        return None
+
+    async def _on_connection(self, stream: trio.abc.Stream, peer: str) -> None:
+        try:
+            framed, hello = await server_handshake(stream, peer=peer, check=self._check_hello)
+        except LaneHandshakeError as exc:
+            log.info("stage %d: %s", self.index, exc)
+            await trio.aclose_forcefully(stream)
+            return
+        if hello.role == _proto.Role.RETURN:
+            await self._park_sink(framed, hello.key)
+        else:
+            self.lanes_open += 1
+            try:
+                await _LaneTask(self, framed).run()
+            finally:
+                self.lanes_open -= 1
+
+    async def _park_sink(self, framed: FrameStream, key: int) -> None:
+        async with self._sink_parked:
+            self._sinks[key] = framed
+            self._sink_parked.notify_all()
+        try:
+            frame = await framed.receive()  # stage 0 never writes here; wait for the close
+            log.warning("stage %d: unexpected %s on a return connection", self.index, frame)
+        except LaneError:
+            pass
+        finally:
+            if self._sinks.get(key) is framed:
+                del self._sinks[key]
+            await framed.aclose_forcefully()
+
+    async def take_sink(self, key: int) -> FrameStream:
+        """The parked return connection for ``key`` (waits briefly for it to arrive)."""
+        with trio.move_on_after(SINK_WAIT_SECONDS):
+            async with self._sink_parked:
+                while key not in self._sinks:
+                    await self._sink_parked.wait()
+                return self._sinks[key]
+        raise StageError(f"stage {self.index} has no return connection for this lane")
+
+    async def compute(self, fn: Any) -> Any:
+        """Run blocking backend work in a thread, one at a time on this stage."""
+        async with self._compute_lock:
+            self.computes += 1
+            return await trio.to_thread.run_sync(fn)
+
+
+class _LaneTask:
+    """Carries out the frames of one upstream lane connection, in order."""
+
+    def __init__(self, server: StageServer, upstream: FrameStream) -> None:
+        self.server = server
+        self.up = upstream
+        self.down: FrameStream | None = None
+        self.sink: FrameStream | None = None
+        self.sessions: dict[int, Session] = {}
+
+    async def run(self) -> None:
+        try:
+            while True:
+                try:
+                    frame = await self.up.receive()
+                except LaneError:
+                    return  # upstream went away: the chain is over
+                await self._dispatch(frame)
+        except LaneError as exc:
+            log.info("stage %d: lane from %s ended: %s", self.server.index, self.up.peer, exc)
+        finally:
+            self.sessions.clear()
+            with trio.CancelScope(shield=True):
+                if self.down is not None:
+                    await self.down.aclose_forcefully()
+                if self.sink is not None:
+                    await self.sink.aclose_forcefully()
+                await self.up.aclose_forcefully()
+
+    async def _downstream(self) -> FrameStream:
+        if self.down is None or self.down.broken:
+            assert self.server.downstream is not None
+            self.down = await _connect_with_retry(self.server.downstream)
+        return self.down
+
+    async def _dispatch(self, frame: _proto.Frame) -> None:
+        message = frame.message
+        match message:
+            case _proto.Configure():
+                self.sessions[message.request_id] = Session(
+                    cache=self.server.backend.new_cache(),
+                    sampling=message.sampling,
+                    prompt_len=message.prompt_len,
+                )
+                if self.server.is_last:
+                    try:
+                        self.sink = await self.server.take_sink(message.return_key)
+                    except StageError as exc:
+                        await self._fail(message.request_id, str(exc), upstream=True)
+                        return
+                await self._relay_ack(message, _proto.StageStats(stage_count=1))
+            case _proto.Prefill() | _proto.Decode() | _proto.Verify():
+                await self._forward_pass(message, frame.activations)
+            case _proto.Trim():
+                session = self.sessions.get(message.request_id)
+                if session is not None:
+                    session.cache.trim(message.position)
+                await self._relay_ack(message, _proto.StageStats(stage_count=1))
+            case _proto.Stop():
+                self.sessions.pop(message.request_id, None)
+                await self._relay_ack(message, _proto.StageStats(stage_count=1))
+            case _proto.Cancel():
+                if not self.server.is_last:
+                    await (await self._downstream()).send(message)
+            case _:
+                raise LaneError(f"{type(message).__name__} is not a request a stage accepts")
+
+    async def _relay_ack(self, message: _proto.Message, own: _proto.StageStats) -> None:
+        if self.server.is_last:
+            await self.up.send(_proto.Ack(request_id=message.request_id, stats=own))
+            return
+        start = time.perf_counter()
+        try:
+            down = await self._downstream()
+            await down.send(message, timeout=self.server.reply_timeout)
+            frame = await down.receive(timeout=self.server.reply_timeout)
+        except LaneError as exc:
+            await self._fail(
+                message.request_id, f"downstream stage unreachable: {exc}", upstream=True
+            )
+            raise
+        reply = frame.message
+        if isinstance(reply, _proto.Ack):
+            stats = own.merge(reply.stats)
+            stats = attrs.evolve(
+                stats, downstream_wait_us=stats.downstream_wait_us + _us_since(start)
+            )
+            await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))
+        else:
+            await self.up.send(reply)  # an Error from further down travels up unchanged
+
+    async def _forward_pass(
+        self,
+        message: _proto.Prefill | _proto.Decode | _proto.Verify,
+        activations: np.ndarray[Any, Any] | None,
+    ) -> None:
+        server = self.server
+        wants_predictions = not isinstance(message, _proto.Prefill) or message.predict
+        session = self.sessions.get(message.request_id)
+        if session is None:
+            await self._fail(
+                message.request_id,
+                f"request {message.request_id} was not configured on this lane",
+                upstream=not (wants_predictions and server.is_last),
+            )
+            return
+        backend = server.backend
+        tokens = np.asarray(message.tokens, dtype=np.int64)
+        rows: str = "all" if isinstance(message, _proto.Verify) else "last"
+
+        def run() -> np.ndarray[Any, Any]:
+            return backend.forward(
+                session.cache,
+                message.position,
+                tokens=tokens if backend.is_first else None,
+                hidden=None if backend.is_first else activations,
+                logits=rows,
+            )
+
+        start = time.perf_counter()
+        try:
+            out = await server.compute(run)
+        except (ValueError, StagerunError) as exc:
+            await self._fail(
+                message.request_id,
+                f"compute failed: {exc}",
+                upstream=not (wants_predictions and server.is_last),
+            )
+            return
+        stats = _proto.StageStats(
+            compute_us=_us_since(start), stage_count=1, token_count=len(message.tokens)
+        )
+        if not server.is_last:
+            down = await self._downstream()
+            write_start = time.perf_counter()
+            await down.send(message, out, server.wire_dtype, timeout=server.reply_timeout)
+            stats = attrs.evolve(stats, forward_write_us=_us_since(write_start))
+            if not wants_predictions:
+                frame = await down.receive(timeout=server.reply_timeout)
+                if isinstance(frame.message, _proto.Ack):
+                    merged = stats.merge(frame.message.stats)
+                    await self.up.send(_proto.Ack(request_id=message.request_id, stats=merged))
+                else:
+                    await self.up.send(frame.message)
+            return
+        if not wants_predictions:
+            await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))
+            return
+        last_position = message.position + (len(message.tokens) - out.shape[0])
+        predicted = sample_rows(out, session.sampling, last_position + 1)
+        assert self.sink is not None, "the last stage binds its return connection at Configure"
+        await self.sink.send(
+            _proto.Predictions(
+                request_id=message.request_id,
+                window_id=getattr(message, "window_id", 0),
+                position=message.position,
+                tokens=tuple(predicted),
+                stats=stats,
+            ),
+            timeout=server.reply_timeout,
+        )
+
+    async def _fail(self, request_id: int, text: str, *, upstream: bool) -> None:
+        """Report a failure to stage 0: upstream for acked work, else on the return path."""
+        error = _proto.Error(
+            request_id=request_id, stage_index=self.server.index, message=text[:4000]
+        )
+        log.warning("stage %d: %s", self.server.index, text)
+        target = self.up if upstream or self.sink is None else self.sink
+        await target.send(error, timeout=self.server.reply_timeout)
+
+
+async def _connect_with_retry(address: str) -> FrameStream:
+    """Open the downstream hop, retrying while the next stage is still starting."""
+    deadline = trio.current_time() + DOWNSTREAM_CONNECT_SECONDS
+    while True:
+        try:
+            return await open_connection(
+                address, role=_proto.Role.LANE, connect_timeout=2.0, ready_timeout=10.0
+            )
+        except LaneHandshakeError:
+            if trio.current_time() >= deadline:
+                raise
+            await trio.sleep(0.1)
+
+
+async def serve_stage(
+    backend: Backend,
+    *,
+    index: int,
+    downstream: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    wire_dtype: _proto.ActivationDType = "f32",
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve one stage until cancelled; ``await nursery.start(serve_stage, ...)`` gives its address."""
+    server = StageServer(backend, index=index, downstream=downstream, wire_dtype=wire_dtype)
+    await server.serve(host, port, task_status=task_status)

@@ -1,0 +1,183 @@
+"""Lane pool semantics (the original PersistentStageLanePool), over real loopback TCP."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from stagerun import _proto
+from stagerun._errors import LaneHandshakeError
+from stagerun._framed import FrameStream, server_handshake
+from stagerun._lanes import (
+    DEFAULT_REPLY_TIMEOUT,
+    REPLY_TIMEOUT_ENV,
+    LanePool,
+    stage_reply_timeout,
+)
+from stagerun.transports import TcpTransport
+
+
+class FakeStage:
+    """A minimal downstream: handshakes, parks return connections, acks every request.
+
+    ``behaviour`` may be ``"ack"`` (default), ``"silent_ready"`` (accept, never say READY) or
+    ``"mute"`` (READY, then never answer).
+    """
+
+    def __init__(self, behaviour: str = "ack") -> None:
+        self.behaviour = behaviour
+        self.lanes: list[FrameStream] = []
+        self.received: list[_proto.Message] = []
+        self.address = ""
+
+    async def handle(self, stream: trio.abc.Stream, peer: str) -> None:
+        if self.behaviour == "silent_ready":
+            await trio.sleep_forever()
+        framed, hello = await server_handshake(stream, peer=peer)
+        if hello.role == _proto.Role.RETURN:
+            try:
+                await framed.receive()
+            except Exception:
+                return
+            return
+        self.lanes.append(framed)
+        while True:
+            try:
+                frame = await framed.receive()
+            except Exception:
+                return
+            self.received.append(frame.message)
+            if self.behaviour == "ack":
+                await framed.send(
+                    _proto.Ack(request_id=frame.message.request_id, stats=_proto.StageStats())
+                )
+
+
+async def start_fake(nursery: trio.Nursery, behaviour: str = "ack") -> FakeStage:
+    fake = FakeStage(behaviour)
+    fake.address = await nursery.start(TcpTransport().serve, fake.handle, "127.0.0.1", 0)
+    return fake
+
+
+def test_reply_timeout_from_environment() -> None:
+    assert stage_reply_timeout({}) == DEFAULT_REPLY_TIMEOUT == 30.0
+    assert stage_reply_timeout({REPLY_TIMEOUT_ENV: "12"}) == 12.0
+    assert stage_reply_timeout({REPLY_TIMEOUT_ENV: "0"}) == 1.0
+    assert stage_reply_timeout({REPLY_TIMEOUT_ENV: "99999"}) == 3600.0
+    assert stage_reply_timeout({REPLY_TIMEOUT_ENV: "soon"}) == 30.0
+    assert stage_reply_timeout({REPLY_TIMEOUT_ENV: "nan"}) == 30.0
+
+
+async def test_silent_downstream_fails_within_ready_deadline(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery, "silent_ready")
+    pool = LanePool(fake.address, capacity=1, ready_timeout=0.25)
+    started = time.monotonic()
+    with pytest.raises(LaneHandshakeError, match=r"did not become ready within 0\.25s"):
+        await pool.start()
+    assert time.monotonic() - started < 1.5
+
+
+async def test_checkout_connect_uses_short_deadline(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery, "silent_ready")
+    pool = LanePool(fake.address, capacity=1, steady_timeout=0.2)
+    started = time.monotonic()
+    with pytest.raises(LaneHandshakeError, match="did not become ready"):
+        async with pool.checkout(1):
+            pass
+    assert time.monotonic() - started < 1.5
+
+
+async def test_nothing_listening_is_a_clear_error() -> None:
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()
+    pool = LanePool(f"tcp://127.0.0.1:{port}", capacity=1, connect_timeout=1)
+    with pytest.raises(LaneHandshakeError, match="could not connect"):
+        await pool.start()
+
+
+async def test_clean_request_sends_stop_and_reuses_lane_lifo(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery)
+    async with LanePool(fake.address, capacity=2) as pool:
+        assert repr(pool) == "<LanePool capacity=2 idle=2 busy=0 next_id=2>"
+        async with pool.checkout(7) as lane:
+            assert lane.id == 1  # the most recently pushed lane comes out first
+            assert pool.busy == 1
+        assert isinstance(fake.received[-1], _proto.Stop)
+        assert fake.received[-1].request_id == 7
+        async with pool.checkout(8) as again:
+            assert again.id == 1  # returned last, lent first
+        assert pool.idle == 2 and pool.busy == 0
+
+
+async def test_dead_pooled_lane_is_replaced_at_checkout(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery)
+    async with LanePool(fake.address, capacity=1) as pool:
+        await fake.lanes[0].aclose()  # the stage drops the idle lane
+        await trio.sleep(0.05)
+        async with pool.checkout(1) as lane:
+            assert lane.id == 1
+
+
+async def test_lane_with_stale_bytes_is_not_reused(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery)
+    async with LanePool(fake.address, capacity=1) as pool:
+        await fake.lanes[0].send(_proto.Ack(request_id=99, stats=_proto.StageStats()))
+        await trio.sleep(0.05)
+        async with pool.checkout(1) as lane:
+            assert lane.id == 1
+        assert not any(getattr(m, "request_id", None) == 99 for m in fake.received)
+
+
+async def test_failed_request_replaces_lane_without_stop(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery)
+    async with LanePool(fake.address, capacity=1) as pool:
+        with pytest.raises(RuntimeError):
+            async with pool.checkout(5) as lane:
+                assert lane.id == 0
+                raise RuntimeError("request failed")
+        assert not any(isinstance(m, _proto.Stop) for m in fake.received)
+        assert pool.replaced == 1 and pool.idle == 1
+        async with pool.checkout(6) as lane:
+            assert lane.id == 1
+
+
+async def test_cancelled_request_replaces_lane(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery)
+    async with LanePool(fake.address, capacity=1) as pool:
+        with trio.move_on_after(0.05):
+            async with pool.checkout(5):
+                await trio.sleep_forever()
+        assert pool.replaced == 1 and pool.idle == 1 and pool.busy == 0
+
+
+async def test_unanswered_stop_times_out_and_replaces(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery, "mute")
+    async with LanePool(fake.address, capacity=1, reply_timeout=0.2) as pool:
+        started = time.monotonic()
+        async with pool.checkout(3):
+            pass
+        assert time.monotonic() - started < 2
+        assert pool.replaced == 1
+
+
+async def test_lane_ids_never_repeat(nursery: trio.Nursery) -> None:
+    fake = await start_fake(nursery)
+    async with LanePool(fake.address, capacity=2) as pool:
+        seen: list[int] = []
+
+        for i in range(6):
+            try:
+                async with pool.checkout(i) as lane:
+                    seen.append(lane.id)
+                    if i % 2:
+                        raise KeyError(i)
+            except KeyError:
+                pass
+        # A returned lane keeps its id; every replacement gets an id never used before.
+        assert seen == [1, 1, 2, 2, 3, 3]
+        assert pool.replaced == 3
+        assert repr(pool).endswith("next_id=5>")
