@@ -21,6 +21,7 @@ from ._lanes import LanePool as LanePool
 from ._pipeline import Completion as Completion
 from ._pipeline import GenerationStream as GenerationStream
 from ._pipeline import Pipeline as Pipeline
+from ._pipeline import StageHealth as StageHealth
 from ._pipeline import StageInfo as StageInfo
 from ._pipeline import TokenChunk as TokenChunk
 from ._pipeline import open_pipeline as open_pipeline
@@ -48,6 +49,7 @@ __all__ = [
     "ProtocolError",
     "SamplingParams",
     "StageError",
+    "StageHealth",
     "StageInfo",
     "StageServer",
     "StagerunError",

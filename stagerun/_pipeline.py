@@ -15,6 +15,7 @@ failure (or cancellation) the lane is replaced.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import subprocess
@@ -29,10 +30,11 @@ import numpy as np
 import trio
 
 from . import _proto
-from ._errors import StageError
-from ._lanes import LanePool
+from ._errors import LaneError, StageError
+from ._lanes import LanePool, open_connection
 from ._sampling import sample_token
 from ._stage import serve_stage
+from ._text import TextAssembler
 from ._util import single_exceptions
 from .backends import NumpyBackend
 from .model import ModelFile, open_model
@@ -81,6 +83,34 @@ class StageInfo:
     layers: tuple[int, int]
     address: str | None  # None for stage 0 (this process)
     pid: int | None = None
+    backend: str = "numpy"
+
+
+@attrs.frozen
+class StageHealth:
+    """The result of probing one stage."""
+
+    stage: StageInfo
+    state: Literal["ready", "unreachable"]
+    error: str | None = None
+    latency_ms: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        lo, hi = self.stage.layers
+        out: dict[str, Any] = {
+            "index": self.stage.index,
+            "address": self.stage.address or "local",
+            "layers": [lo, hi],
+            "backend": self.stage.backend,
+            "state": self.state,
+        }
+        if self.stage.pid is not None:
+            out["pid"] = self.stage.pid
+        if self.latency_ms is not None:
+            out["latency_ms"] = round(self.latency_ms, 3)
+        if self.error is not None:
+            out["error"] = self.error
+        return out
 
 
 class Pipeline:
@@ -110,6 +140,33 @@ class Pipeline:
         layout = ",".join(f"{lo}-{hi}" for lo, hi in (s.layers for s in self.stages))
         return f"<Pipeline model={self.config.name!r} stages={len(self.stages)} layers={layout} pool={self.pool!r}>"
 
+    async def check_health(self, timeout: float = 1.0) -> list[StageHealth]:
+        """Probe every stage at once: a handshake must complete within ``timeout`` seconds."""
+        results: list[StageHealth] = [StageHealth(self.stages[0], "ready")]
+        probes: dict[int, StageHealth] = {}
+
+        async def probe(info: StageInfo) -> None:
+            assert info.address is not None
+            start = time.perf_counter()
+            try:
+                stream = await open_connection(
+                    info.address,
+                    role=_proto.Role.LANE,
+                    connect_timeout=timeout,
+                    ready_timeout=timeout,
+                )
+            except LaneError as exc:
+                probes[info.index] = StageHealth(info, "unreachable", error=str(exc))
+                return
+            await stream.aclose_forcefully()
+            elapsed = (time.perf_counter() - start) * 1000.0
+            probes[info.index] = StageHealth(info, "ready", latency_ms=elapsed)
+
+        async with trio.open_nursery() as nursery:
+            for info in self.stages[1:]:
+                nursery.start_soon(probe, info)
+        return results + [probes[info.index] for info in self.stages[1:]]
+
     def encode_prompt(
         self, prompt: str | Sequence[int] | Sequence[dict[str, str]], *, chat: bool = False
     ) -> list[int]:
@@ -131,10 +188,13 @@ class Pipeline:
         max_tokens: int = 128,
         sampling: _proto.SamplingParams | None = None,
         chat: bool = False,
+        stop: Sequence[str] = (),
     ) -> AsyncIterator[GenerationStream]:
         """Stream a generation: ``async with p.generate(...) as s: async for chunk in s``.
 
-        Leaving the block early cancels the request (its lane is replaced, not reused).
+        Text that could be the start of a ``stop`` string is held back until it is decided;
+        a stop string ends the request cleanly and is not part of the text. Leaving the block
+        early cancels the request (its lane is replaced, not reused).
         """
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         params = sampling or _proto.SamplingParams()
@@ -144,7 +204,9 @@ class Pipeline:
         async def run() -> None:
             async with send:
                 try:
-                    stream.result = await self._run(prompt_ids, max_tokens, params, send.send)
+                    stream.result = await self._run(
+                        prompt_ids, max_tokens, params, send.send, stop=stop
+                    )
                 except Exception as exc:  # handed to the consumer, not lost in a group
                     stream.error = exc
 
@@ -168,6 +230,7 @@ class Pipeline:
         sampling: _proto.SamplingParams | None = None,
         chat: bool = False,
         on_token: Callable[[TokenChunk], Any] | None = None,
+        stop: Sequence[str] = (),
         ignore_eog: bool = False,
     ) -> Completion:
         """Run one request to the end and return its `Completion`.
@@ -182,7 +245,12 @@ class Pipeline:
                 on_token(chunk)
 
         return await self._run(
-            prompt_ids, max_tokens, sampling or _proto.SamplingParams(), emit, ignore_eog=ignore_eog
+            prompt_ids,
+            max_tokens,
+            sampling or _proto.SamplingParams(),
+            emit,
+            stop=stop,
+            ignore_eog=ignore_eog,
         )
 
     async def _compute0(
@@ -206,6 +274,7 @@ class Pipeline:
         sampling: _proto.SamplingParams,
         emit: Callable[[TokenChunk], Any],
         *,
+        stop: Sequence[str] = (),
         ignore_eog: bool = False,
     ) -> Completion:
         if not prompt_ids:
@@ -220,6 +289,7 @@ class Pipeline:
         max_tokens = min(max_tokens, context - len(prompt_ids))
         request_id = secrets.randbits(62)
         decoder = self.tokenizer.stream_decoder()
+        assembler = TextAssembler(stop)
         eog = frozenset[int]() if ignore_eog else self.config.eog_ids
         generated: list[int] = []
         finish: Literal["stop", "length"] = "length"
@@ -237,7 +307,10 @@ class Pipeline:
                     finish = "stop"
                     return
                 generated.append(token)
-                await emit(TokenChunk(token, decoder.push(token)))
+                await emit(TokenChunk(token, assembler.push(decoder.push(token))))
+                if assembler.stopped:
+                    finish = "stop"
+                    return
                 if len(generated) >= max_tokens:
                     return
                 token = await next_token(token, position)
@@ -282,7 +355,7 @@ class Pipeline:
                     return int(reply.tokens[-1])
 
                 await run_chain(remote_step)
-        tail = decoder.flush()
+        tail = assembler.flush(decoder.flush())
         if tail:
             await emit(TokenChunk(-1, tail))
         t_end = time.perf_counter()
@@ -298,7 +371,7 @@ class Pipeline:
             else 0.0,
         }
         return Completion(
-            text=self.tokenizer.decode(generated),
+            text=assembler.text,
             token_ids=generated,
             prompt_token_ids=list(prompt_ids),
             finish_reason=finish,
@@ -404,7 +477,9 @@ async def open_pipeline(
         raise ValueError(
             f"{len(ranges)} stages need {len(ranges) - 1} remote addresses, got {len(remote)}"
         )
-    backend0 = NumpyBackend(model_file, ranges[0], threads=threads)
+    backend0 = await trio.to_thread.run_sync(
+        lambda: NumpyBackend(model_file, ranges[0], threads=threads)
+    )
     with single_exceptions():
         async with trio.open_nursery() as nursery:
             infos = [StageInfo(0, ranges[0], None)]
@@ -417,7 +492,11 @@ async def open_pipeline(
                 started: list[StageInfo] = []
                 for index in range(len(ranges) - 1, 0, -1):
                     if mode == "inproc":
-                        backend = NumpyBackend(model_file, ranges[index], threads=threads)
+                        backend = await trio.to_thread.run_sync(
+                            functools.partial(
+                                NumpyBackend, model_file, ranges[index], threads=threads
+                            )
+                        )
                         address = await nursery.start(
                             lambda task_status, b=backend, i=index, d=downstream: serve_stage(
                                 b,

@@ -234,8 +234,17 @@ class _LaneTask:
                     await self.sink.aclose_forcefully()
                 await self.up.aclose_forcefully()
 
-    async def _downstream(self) -> FrameStream:
-        if self.down is None or self.down.broken:
+    async def _downstream(self, *, fresh_session: bool = False) -> FrameStream:
+        """The next hop; opened on first use.
+
+        At the start of a request (``fresh_session``) a downstream connection that died while
+        the lane was idle (the next stage restarted, say) is replaced: no state is lost,
+        since the request has none yet. Mid-request a broken hop stays broken.
+        """
+        if self.down is not None and fresh_session and not self.down.is_live():
+            await self.down.aclose_forcefully()
+            self.down = None
+        if self.down is None:
             assert self.server.downstream is not None
             self.down = await _connect_with_retry(self.server.downstream)
         return self.down
@@ -255,7 +264,7 @@ class _LaneTask:
                     except StageError as exc:
                         await self._fail(message.request_id, str(exc), upstream=True)
                         return
-                await self._relay_ack(message, _proto.StageStats(stage_count=1))
+                await self._relay_ack(message, _proto.StageStats(stage_count=1), fresh_session=True)
             case _proto.Prefill() | _proto.Decode() | _proto.Verify():
                 await self._forward_pass(message, frame.activations)
             case _proto.Trim():
@@ -272,13 +281,15 @@ class _LaneTask:
             case _:
                 raise LaneError(f"{type(message).__name__} is not a request a stage accepts")
 
-    async def _relay_ack(self, message: _proto.Message, own: _proto.StageStats) -> None:
+    async def _relay_ack(
+        self, message: _proto.Message, own: _proto.StageStats, *, fresh_session: bool = False
+    ) -> None:
         if self.server.is_last:
             await self.up.send(_proto.Ack(request_id=message.request_id, stats=own))
             return
         start = time.perf_counter()
         try:
-            down = await self._downstream()
+            down = await self._downstream(fresh_session=fresh_session)
             await down.send(message, timeout=self.server.reply_timeout)
             frame = await down.receive(timeout=self.server.reply_timeout)
         except LaneError as exc:

@@ -17,6 +17,7 @@ import stagerun
 from stagerun import SamplingParams, open_pipeline, split_layers
 from stagerun._errors import LaneError, StageError
 from stagerun.testing import write_tiny_model
+from stagerun.transports import parse_address
 
 PROMPT = "The quick brown fox"
 
@@ -158,3 +159,42 @@ def test_cli_reports_a_missing_model_in_one_line(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 1
     assert out.stderr.startswith("stagerun: error:") and "nope.gguf" in out.stderr
+
+
+async def test_a_restarted_stage_serves_the_next_request(tiny: Path) -> None:
+    reference = await _greedy(tiny, 1)
+    async with open_pipeline(tiny, stages=3, mode="processes") as pipeline:
+        assert (await pipeline.complete(PROMPT, max_tokens=12)).token_ids == reference
+        last = pipeline.stages[2]
+        assert last.pid is not None and last.address is not None
+        os.kill(last.pid, signal.SIGKILL)
+        await trio.sleep(0.2)
+        _scheme, _host, port = parse_address(last.address)
+        lo, hi = last.layers
+        cmd = [sys.executable, "-m", "stagerun", "stage", "--model", str(tiny),
+               "--layers", f"{lo}:{hi}", "--index", "2", "--port", str(port)]  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            proc = await nursery.start(
+                lambda task_status: trio.run_process(  # noqa: ASYNC105
+                    cmd, stdout=subprocess.PIPE, check=False, task_status=task_status
+                )
+            )
+            assert (await proc.stdout.receive_some(4096)).startswith(b"READY ")
+            # Stage 0 sees the dead return connection at checkout, stage 1 sees its dead
+            # downstream at Configure; both reconnect and the request succeeds.
+            assert (await pipeline.complete(PROMPT, max_tokens=12)).token_ids == reference
+            proc.kill()
+
+
+async def test_health_probes_every_stage(tiny: Path) -> None:
+    async with open_pipeline(tiny, stages=3, mode="processes") as pipeline:
+        health = await pipeline.check_health()
+        assert [h.state for h in health] == ["ready", "ready", "ready"]
+        assert health[1].to_json()["layers"] == list(pipeline.stages[1].layers)
+        pid = pipeline.stages[2].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await trio.sleep(0.2)
+        health = await pipeline.check_health(timeout=0.5)
+        assert [h.state for h in health] == ["ready", "ready", "unreachable"]
+        assert "could not connect" in (health[2].error or "")

@@ -24,6 +24,7 @@ def test_public_names() -> None:
             "ProtocolError",
             "SamplingParams",
             "StageError",
+            "StageHealth",
             "StageInfo",
             "StageServer",
             "StagerunError",

@@ -318,6 +318,14 @@ def open_model(name_or_path: str | os.PathLike[str]) -> ModelFile:
         UnsupportedModelError: the architecture is not llama, or a tensor type is unknown.
     """
     path = resolve_model(name_or_path)
+    stat = path.stat()
+    return _open_cached(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: pathlib.Path, _mtime_ns: int, _size: int) -> ModelFile:
+    # Parsing the header and 49k vocabulary entries takes ~2 s; a process that opens the same
+    # unchanged file again (several in-process stages, tests) reuses the read-only ModelFile.
     try:
         reader = gguf.GGUFReader(path, "r")
     except Exception as exc:

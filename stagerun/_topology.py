@@ -1,0 +1,112 @@
+"""Topology files: which stage holds which layers, and where it listens.
+
+A topology is a TOML file shared by every host of a pipeline::
+
+    model = "smollm2"            # name or GGUF path, as each host can resolve it
+
+    [[stages]]                   # stage 0: the host that runs `stagerun serve`
+    layers = [0, 10]
+
+    [[stages]]
+    address = "tcp://10.0.0.2:9001"
+    layers = [10, 20]
+
+    [[stages]]
+    address = "tcp://10.0.0.3:9001"
+    layers = [20, 30]
+
+Stage 0 has no address (it is the driver); every other stage must have one. The layer ranges
+must be contiguous from 0 (the model's layer count is checked when the model is opened).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .transports import parse_address
+
+
+class TopologyError(ValueError):
+    """A topology file is malformed; the message names the file and the entry."""
+
+
+@attrs.frozen
+class TopologyStage:
+    index: int
+    layers: tuple[int, int]
+    address: str | None
+    backend: str = "numpy"
+
+
+@attrs.frozen
+class Topology:
+    model: str
+    stages: tuple[TopologyStage, ...]
+
+    @property
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        return [s.layers for s in self.stages]
+
+    @property
+    def remote_addresses(self) -> list[str]:
+        return [s.address for s in self.stages[1:] if s.address is not None]
+
+
+def load_topology(path: str | os.PathLike[str]) -> Topology:
+    """Read and check a topology file."""
+    where = Path(path)
+    try:
+        data = tomllib.loads(where.read_text())
+    except FileNotFoundError:
+        raise TopologyError(f"topology file {where} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise TopologyError(f"topology file {where} is not valid TOML: {exc}") from exc
+    return parse_topology(data, source=str(where))
+
+
+def parse_topology(data: dict[str, Any], *, source: str = "<topology>") -> Topology:
+    model = data.get("model", "smollm2")
+    if not isinstance(model, str) or not model:
+        raise TopologyError(f"{source}: 'model' must be a model name or GGUF path")
+    raw_stages = data.get("stages")
+    if not isinstance(raw_stages, list) or len(raw_stages) < 1:
+        raise TopologyError(f"{source}: list the stages as [[stages]] tables")
+    stages = []
+    expected_lo = 0
+    for index, raw in enumerate(raw_stages):
+        if not isinstance(raw, dict):
+            raise TopologyError(f"{source}: stage {index} must be a table")
+        layers = raw.get("layers")
+        if (
+            not isinstance(layers, list)
+            or len(layers) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+        ):
+            raise TopologyError(f"{source}: stage {index} needs layers = [LO, HI]")
+        lo, hi = layers
+        if lo != expected_lo or hi <= lo:
+            raise TopologyError(
+                f"{source}: stage {index} has layers [{lo}, {hi}] but must start at "
+                f"{expected_lo} and hold at least one layer"
+            )
+        expected_lo = hi
+        address = raw.get("address")
+        if index == 0 and address is not None:
+            raise TopologyError(f"{source}: stage 0 is the driver and takes no address")
+        if index > 0:
+            if not isinstance(address, str):
+                raise TopologyError(f'{source}: stage {index} needs address = "tcp://HOST:PORT"')
+            try:
+                parse_address(address)
+            except ValueError as exc:
+                raise TopologyError(f"{source}: stage {index}: {exc}") from None
+        backend = raw.get("backend", "numpy")
+        if not isinstance(backend, str):
+            raise TopologyError(f"{source}: stage {index} backend must be a name")
+        stages.append(TopologyStage(index, (lo, hi), address, backend))
+    return Topology(model, tuple(stages))

@@ -1,0 +1,58 @@
+"""Topology files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stagerun._topology import TopologyError, load_topology
+
+GOOD = """
+model = "smollm2"
+[[stages]]
+layers = [0, 10]
+[[stages]]
+address = "tcp://127.0.0.1:9001"
+layers = [10, 20]
+[[stages]]
+address = "tcp://127.0.0.1:9002"
+layers = [20, 30]
+"""
+
+
+def test_good_topology(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(GOOD)
+    topology = load_topology(path)
+    assert topology.model == "smollm2"
+    assert topology.layer_ranges == [(0, 10), (10, 20), (20, 30)]
+    assert topology.remote_addresses == ["tcp://127.0.0.1:9001", "tcp://127.0.0.1:9002"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("model = 1\n[[stages]]\nlayers=[0,1]", "'model' must be"),
+        ("model = 'x'", "list the stages"),
+        (
+            "[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[6,9]\naddress='tcp://h:1'",
+            "must start at 5",
+        ),
+        ("[[stages]]\nlayers=[0,5]\naddress='tcp://h:1'", "takes no address"),
+        ("[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,9]", "needs address"),
+        ("[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,9]\naddress='nowhere'", "HOST:PORT"),
+        ("[[stages]]\nlayers='0:5'", "needs layers"),
+        ("[[stages]\n", "not valid TOML"),
+    ],
+)
+def test_bad_topologies_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    with pytest.raises(TopologyError, match=message):
+        load_topology(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError, match="does not exist"):
+        load_topology(tmp_path / "none.toml")
