@@ -172,6 +172,10 @@ class StageServer:
             self.lanes_open += 1
             try:
                 await _LaneTask(self, framed).run()
+            except Exception:
+                # A bug in one lane must not take the stage down: that lane is closed (its
+                # chain collapses and stage 0 replaces it); the other lanes carry on.
+                log.exception("stage %d: lane from %s failed", self.index, peer)
             finally:
                 self.lanes_open -= 1
 
