@@ -198,3 +198,23 @@ async def test_health_probes_every_stage(tiny: Path) -> None:
         health = await pipeline.check_health(timeout=0.5)
         assert [h.state for h in health] == ["ready", "ready", "unreachable"]
         assert "could not connect" in (health[2].error or "")
+
+
+async def test_joining_remote_stages(tiny: Path, nursery: trio.Nursery) -> None:
+    from stagerun.backends import NumpyBackend
+
+    reference = await _greedy(tiny, 1)
+    ranges = split_layers(6, 3)
+    last = await nursery.start(
+        lambda task_status: stagerun.serve_stage(
+            NumpyBackend(tiny, ranges[2]), index=2, task_status=task_status
+        )
+    )
+    middle = await nursery.start(
+        lambda task_status: stagerun.serve_stage(
+            NumpyBackend(tiny, ranges[1]), index=1, downstream=last, task_status=task_status
+        )
+    )
+    async with open_pipeline(tiny, layers=ranges, remote=[middle, last]) as pipeline:
+        assert [s.address for s in pipeline.stages] == [None, middle, last]
+        assert (await pipeline.complete(PROMPT, max_tokens=12)).token_ids == reference
