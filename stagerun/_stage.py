@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any, Protocol
 
 import attrs
@@ -28,7 +29,7 @@ import numpy as np
 import trio
 
 from . import _proto
-from ._errors import LaneError, LaneHandshakeError, StageError, StagerunError
+from ._errors import ComputeCancelled, LaneError, LaneHandshakeError, StageError, StagerunError
 from ._framed import FrameStream, server_handshake
 from ._lanes import open_connection, stage_reply_timeout
 from ._sampling import sample_rows
@@ -124,6 +125,8 @@ class StageServer:
         self._sink_parked = trio.Condition()
         self.lanes_open = 0
         self.computes = 0
+        self.stale_dropped = 0  # stale windows dropped before their compute started
+        self.stale_stopped = 0  # stale windows whose compute stopped at a layer boundary
 
     def __repr__(self) -> str:
         lo, hi = self.backend.layers
@@ -210,7 +213,13 @@ class StageServer:
 
 
 class _LaneTask:
-    """Carries out the frames of one upstream lane connection, in order."""
+    """Carries out the frames of one upstream lane connection, in order.
+
+    A reader task takes frames off the connection as they arrive and queues them; the worker
+    carries them out one at a time. Reading ahead is what makes cancellation cheap: a
+    ``Cancel`` is applied the moment it is read, so stale windows still in the queue are
+    dropped unseen and a stale window being computed stops at its next layer boundary.
+    """
 
     def __init__(self, server: StageServer, upstream: FrameStream) -> None:
         self.server = server
@@ -218,15 +227,18 @@ class _LaneTask:
         self.down: FrameStream | None = None
         self.sink: FrameStream | None = None
         self.sessions: dict[int, Session] = {}
+        self._queue: deque[_proto.Frame] = deque()
+        self._wakeup = trio.Event()
+        self._upstream_closed = False
+        self._cancelled: dict[int, set[int]] = {}  # request id -> cancelled window ids
+        self._replied: dict[int, set[int]] = {}  # last stage: windows already answered
 
     async def run(self) -> None:
         try:
-            while True:
-                try:
-                    frame = await self.up.receive()
-                except LaneError:
-                    return  # upstream went away: the chain is over
-                await self._dispatch(frame)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_upstream)
+                await self._work()
+                nursery.cancel_scope.cancel()
         except LaneError as exc:
             log.info("stage %d: lane from %s ended: %s", self.server.index, self.up.peer, exc)
         finally:
@@ -237,6 +249,45 @@ class _LaneTask:
                 if self.sink is not None:
                     await self.sink.aclose_forcefully()
                 await self.up.aclose_forcefully()
+
+    async def _read_upstream(self) -> None:
+        try:
+            while True:
+                frame = await self.up.receive()
+                if isinstance(frame.message, _proto.Cancel):
+                    self._apply_cancel(frame.message)
+                self._queue.append(frame)
+                self._wakeup.set()
+        except LaneError:
+            pass  # upstream went away: the chain is over once the queue is done
+        finally:
+            self._upstream_closed = True
+            self._wakeup.set()
+
+    async def _work(self) -> None:
+        while True:
+            while not self._queue:
+                if self._upstream_closed:
+                    return
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+            await self._dispatch(self._queue.popleft())
+
+    def _apply_cancel(self, cancel: _proto.Cancel) -> None:
+        cancelled = self._cancelled.setdefault(cancel.request_id, set())
+        cancelled.update(cancel.window_ids)
+        kept: deque[_proto.Frame] = deque()
+        for frame in self._queue:
+            if self._is_cancelled(frame.message):
+                self.server.stale_dropped += 1
+            else:
+                kept.append(frame)
+        self._queue = kept
+
+    def _is_cancelled(self, message: _proto.Message) -> bool:
+        return isinstance(message, _proto.Verify) and message.window_id in self._cancelled.get(
+            message.request_id, ()
+        )
 
     async def _downstream(self, *, fresh_session: bool = False) -> FrameStream:
         """The next hop; opened on first use.
@@ -278,12 +329,27 @@ class _LaneTask:
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
             case _proto.Stop():
                 self.sessions.pop(message.request_id, None)
+                self._cancelled.pop(message.request_id, None)
+                self._replied.pop(message.request_id, None)
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
             case _proto.Cancel():
-                if not self.server.is_last:
-                    await (await self._downstream()).send(message)
+                await self._cancel(message)
             case _:
                 raise LaneError(f"{type(message).__name__} is not a request a stage accepts")
+
+    async def _cancel(self, message: _proto.Cancel) -> None:
+        if not self.server.is_last:
+            await (await self._downstream()).send(message, timeout=self.server.reply_timeout)
+            return
+        replied = self._replied.get(message.request_id, set())
+        unanswered = tuple(w for w in message.window_ids if w not in replied)
+        if self.sink is not None:
+            await self.sink.send(
+                _proto.Cancelled(
+                    request_id=message.request_id, epoch=message.epoch, window_ids=unanswered
+                ),
+                timeout=self.server.reply_timeout,
+            )
 
     async def _relay_ack(
         self, message: _proto.Message, own: _proto.StageStats, *, fresh_session: bool = False
@@ -326,9 +392,13 @@ class _LaneTask:
                 upstream=not (wants_predictions and server.is_last),
             )
             return
+        if self._is_cancelled(message):
+            server.stale_dropped += 1  # cancelled before this stage got to it
+            return
         backend = server.backend
         tokens = np.asarray(message.tokens, dtype=np.int64)
         rows: str = "all" if isinstance(message, _proto.Verify) else "last"
+        should_stop = (lambda: self._is_cancelled(message)) if rows == "all" else None
 
         def run() -> np.ndarray[Any, Any]:
             return backend.forward(
@@ -337,11 +407,15 @@ class _LaneTask:
                 tokens=tokens if backend.is_first else None,
                 hidden=None if backend.is_first else activations,
                 logits=rows,
+                should_stop=should_stop,
             )
 
         start = time.perf_counter()
         try:
             out = await server.compute(run)
+        except ComputeCancelled:
+            server.stale_stopped += 1  # went stale while computing; stopped at a layer
+            return
         except (ValueError, StagerunError) as exc:
             await self._fail(
                 message.request_id,
@@ -370,6 +444,8 @@ class _LaneTask:
             return
         last_position = message.position + (len(message.tokens) - out.shape[0])
         predicted = sample_rows(out, session.sampling, last_position + 1)
+        if isinstance(message, _proto.Verify):
+            self._replied.setdefault(message.request_id, set()).add(message.window_id)
         assert self.sink is not None, "the last stage binds its return connection at Configure"
         await self.sink.send(
             _proto.Predictions(

@@ -22,6 +22,7 @@ from stagerun._proto import (
     Ack,
     ActivationDType,
     Cancel,
+    Cancelled,
     Configure,
     Decode,
     Error,
@@ -68,6 +69,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(Ack, ids, stats),
     st.builds(Predictions, ids, ids, ids, st.lists(token_ids, max_size=6).map(tuple), stats),
     st.builds(Error, ids, ids, st.text(max_size=100)),
+    st.builds(Cancelled, ids, ids, st.lists(ids, max_size=8).map(tuple)),
 )
 
 

@@ -107,7 +107,7 @@ def test_protocol_core_never_imports_trio() -> None:
 def test_kinds_and_activation_carriers() -> None:
     assert list(MESSAGE_TYPES) == [
         "configure", "prefill", "decode", "verify", "cancel",
-        "trim", "stop", "ack", "predictions", "error",
+        "trim", "stop", "ack", "predictions", "cancelled", "error",
     ]  # fmt: skip
     assert all(cls.kind == kind for kind, cls in MESSAGE_TYPES.items())
     assert {Prefill, Decode, Verify} == CARRIES_ACTIVATIONS

@@ -310,6 +310,20 @@ class Predictions:
 
 
 @attrs.frozen
+class Cancelled:
+    """The last stage's answer to a ``Cancel``: these windows will never get ``Predictions``.
+
+    Sent on the return connection after every reply the last stage did send for them, so
+    stage 0 can account for each window it opened without waiting for any.
+    """
+
+    kind: ClassVar[str] = "cancelled"
+    request_id: int = attrs.field(validator=_ID)
+    epoch: int = attrs.field(validator=_ID)
+    window_ids: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_WINDOW_IDS)
+
+
+@attrs.frozen
 class Error:
     """A stage could not carry out a request; ``message`` is one plain sentence for the user."""
 
@@ -320,7 +334,17 @@ class Error:
 
 
 Message: TypeAlias = (
-    Configure | Prefill | Decode | Verify | Cancel | Trim | Stop | Ack | Predictions | Error
+    Configure
+    | Prefill
+    | Decode
+    | Verify
+    | Cancel
+    | Trim
+    | Stop
+    | Ack
+    | Predictions
+    | Cancelled
+    | Error
 )
 """Any message a frame can carry."""
 
@@ -329,7 +353,19 @@ ActivationMessage: TypeAlias = Prefill | Decode | Verify
 
 MESSAGE_TYPES: Final[Mapping[str, type[Message]]] = {
     cls.kind: cls
-    for cls in (Configure, Prefill, Decode, Verify, Cancel, Trim, Stop, Ack, Predictions, Error)
+    for cls in (
+        Configure,
+        Prefill,
+        Decode,
+        Verify,
+        Cancel,
+        Trim,
+        Stop,
+        Ack,
+        Predictions,
+        Cancelled,
+        Error,
+    )
 }
 CARRIES_ACTIVATIONS: Final[frozenset[type[Message]]] = frozenset({Prefill, Decode, Verify})
 """The message classes whose frames carry activations (``isinstance(m, ActivationMessage)``)."""
