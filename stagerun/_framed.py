@@ -20,6 +20,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import trio
 
@@ -32,6 +33,26 @@ from ._errors import (
 )
 
 _RECEIVE_SIZE = 1 << 18
+
+
+@attrs.frozen
+class LinkEmulation:
+    """A WAN link emulated on loopback: each frame is delivered ``delay_s`` after it arrived,
+    and, with a bandwidth cap, no sooner than the link could have carried it.
+
+    Applied where frames are received, so frames in flight overlap as on a real link (a
+    sender-side sleep would serialize them and hide what pipelining buys).
+    """
+
+    delay_s: float = 0.0
+    bandwidth_bytes_per_s: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.delay_s > 0 or self.bandwidth_bytes_per_s is not None
+
+
+NO_EMULATION = LinkEmulation()
 
 
 class FrameStream:
@@ -51,6 +72,7 @@ class FrameStream:
         peer: str,
         leftover: bytes = b"",
         max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
+        link: LinkEmulation = NO_EMULATION,
     ) -> None:
         self.stream = stream
         self.peer = peer
@@ -60,6 +82,10 @@ class FrameStream:
         self._broken: str | None = None
         self._closed = False
         self._send_lock = trio.Lock()
+        self.link = link
+        self._chunk_time = trio.current_time()
+        self._link_free_at = 0.0
+        self._ready: tuple[_proto.Frame, float] | None = None  # decoded, not yet delivered
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("broken" if self._broken else "open")
@@ -112,16 +138,14 @@ class FrameStream:
         self._check_usable()
         try:
             with trio.fail_after(timeout):
-                while True:
-                    frame = self._decoder.next_frame()
-                    if frame is not _proto.NEED_DATA:
-                        assert isinstance(frame, _proto.Frame)
-                        return frame
-                    data = await self.stream.receive_some(_RECEIVE_SIZE)
-                    if not data:
-                        self._broken = "closed by peer"
-                        raise LaneBrokenError(f"{self.peer} closed the connection")
-                    self._decoder.receive_data(data)
+                if self._ready is None:
+                    frame = await self._next_frame()
+                    self._ready = (frame, self._delivery_time(frame))
+                frame, deliver_at = self._ready
+                if deliver_at > trio.current_time():
+                    await trio.sleep_until(deliver_at)  # cancel-safe: the frame stays ready
+                self._ready = None
+                return frame
         except trio.TooSlowError as exc:
             raise LaneTimeoutError(f"{self.peer} sent no reply within {timeout:g}s") from exc
         except ProtocolError as exc:
@@ -131,13 +155,38 @@ class FrameStream:
             self._broken = "read failed"
             raise LaneBrokenError(f"connection to {self.peer} lost while reading") from exc
 
+    async def _next_frame(self) -> _proto.Frame:
+        while True:
+            frame = self._decoder.next_frame()
+            if isinstance(frame, _proto.Frame):
+                return frame
+            data = await self.stream.receive_some(_RECEIVE_SIZE)
+            if not data:
+                self._broken = "closed by peer"
+                raise LaneBrokenError(f"{self.peer} closed the connection")
+            self._chunk_time = trio.current_time()
+            self._decoder.receive_data(data)
+
+    def _delivery_time(self, frame: _proto.Frame) -> float:
+        if not self.link.active:
+            return 0.0
+        # Frames decoded now were completed by the most recent chunk read.
+        deliver_at = self._chunk_time + self.link.delay_s
+        if self.link.bandwidth_bytes_per_s:
+            size = 64 + (frame.activations.nbytes if frame.activations is not None else 0)
+            deliver_at = (
+                max(deliver_at, self._link_free_at) + size / self.link.bandwidth_bytes_per_s
+            )
+            self._link_free_at = deliver_at
+        return deliver_at
+
     def is_live(self) -> bool:
         """Probe an idle stream without consuming anything.
 
         A stream is dead if it is broken, has undelivered bytes, or its socket reports EOF or
         any readable byte (an idle lane must have nothing unsolicited waiting).
         """
-        if self.broken or self._decoder.pending_bytes:
+        if self.broken or self._decoder.pending_bytes or self._ready is not None:
             return False
         sock = getattr(self.stream, "socket", None)
         if sock is None:
@@ -181,6 +230,7 @@ async def client_handshake(
     role: _proto.Role,
     key: int = 0,
     ready_timeout: float,
+    link: LinkEmulation = NO_EMULATION,
 ) -> FrameStream:
     """Send the hello and wait for READY; return the stream ready for frames."""
     decoder = _proto.ReadyDecoder()
@@ -206,7 +256,7 @@ async def client_handshake(
         raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc
     if isinstance(event, _proto.Refused):
         raise LaneHandshakeError(f"{peer} refused the lane: {event.reason}")
-    return FrameStream(stream, peer=peer, leftover=decoder.trailing_data)
+    return FrameStream(stream, peer=peer, leftover=decoder.trailing_data, link=link)
 
 
 async def server_handshake(
@@ -215,6 +265,7 @@ async def server_handshake(
     peer: str,
     hello_timeout: float = 10.0,
     check: Callable[[_proto.Hello], str | None] | None = None,
+    link: LinkEmulation = NO_EMULATION,
 ) -> tuple[FrameStream, _proto.Hello]:
     """Read and check the client's hello, answer READY, and return the framed stream.
 
@@ -246,7 +297,7 @@ async def server_handshake(
         await stream.send_all(_proto.encode_ready())
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc
-    return FrameStream(stream, peer=peer), hello
+    return FrameStream(stream, peer=peer, link=link), hello
 
 
 async def _refuse(stream: trio.abc.Stream, reason: str) -> None:

@@ -36,7 +36,7 @@ import trio
 
 from . import _proto
 from ._errors import LaneBrokenError, LaneError, LaneTimeoutError, StageError
-from ._framed import FrameStream, client_handshake
+from ._framed import NO_EMULATION, FrameStream, LinkEmulation, client_handshake
 from ._proto._prefill import PrefillTransportEstimate
 from .transports import TcpTransport, parse_address
 
@@ -69,13 +69,14 @@ async def open_connection(
     key: int = 0,
     connect_timeout: float,
     ready_timeout: float,
+    link: LinkEmulation = NO_EMULATION,
 ) -> FrameStream:
     """Connect to a stage and complete the handshake."""
     _scheme, host, port = parse_address(address)
     stream = await TcpTransport().connect(host, port, timeout=connect_timeout)
     try:
         return await client_handshake(
-            stream, peer=address, role=role, key=key, ready_timeout=ready_timeout
+            stream, peer=address, role=role, key=key, ready_timeout=ready_timeout, link=link
         )
     except BaseException:
         await trio.aclose_forcefully(stream)
@@ -192,6 +193,7 @@ class LanePool:
         ready_timeout: float = LANE_READY_TIMEOUT,
         steady_timeout: float = LANE_STEADY_CONNECT_TIMEOUT,
         reply_timeout: float | None = None,
+        link: LinkEmulation = NO_EMULATION,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"lane pool capacity must be at least 1, got {capacity}")
@@ -202,6 +204,7 @@ class LanePool:
         self.ready_timeout = ready_timeout
         self.steady_timeout = steady_timeout
         self.reply_timeout = stage_reply_timeout() if reply_timeout is None else reply_timeout
+        self.link = link
         self.prefill_transport = PrefillTransportEstimate()
         self._idle: list[Lane] = []
         self._busy = 0
@@ -240,6 +243,7 @@ class LanePool:
             role=_proto.Role.LANE,
             connect_timeout=connect_timeout,
             ready_timeout=ready_timeout,
+            link=self.link,
         )
         try:
             back = await open_connection(
@@ -248,6 +252,7 @@ class LanePool:
                 key=key,
                 connect_timeout=connect_timeout,
                 ready_timeout=ready_timeout,
+                link=self.link,
             )
         except BaseException:
             await forward.aclose_forcefully()

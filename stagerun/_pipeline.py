@@ -31,6 +31,7 @@ import trio
 
 from . import _proto
 from ._errors import LaneError, StageError
+from ._framed import LinkEmulation
 from ._lanes import LanePool, open_connection
 from ._sampling import sample_token
 from ._stage import serve_stage
@@ -451,6 +452,8 @@ async def open_pipeline(
     capacity: int = 1,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     host: str = "127.0.0.1",
+    hop_delay_ms: float = 0.0,
+    bandwidth_mbps: float | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start (or join) a pipeline and yield a `Pipeline` to run requests on.
 
@@ -466,7 +469,16 @@ async def open_pipeline(
         wire_dtype: activation dtype on the wire (f32, f16 or q8).
         capacity: lanes in the pool (concurrent requests served without connecting more).
         prefill_chunk: prompt tokens per prefill frame.
+        hop_delay_ms: emulate a WAN link: every frame on every lane is delivered this much
+            later (stages started here and stage 0 alike; remote stages set their own).
+        bandwidth_mbps: with ``hop_delay_ms``, also cap each link's bandwidth.
     """
+    if hop_delay_ms < 0:
+        raise ValueError(f"hop_delay_ms must not be negative, got {hop_delay_ms}")
+    link = LinkEmulation(
+        delay_s=hop_delay_ms / 1000.0,
+        bandwidth_bytes_per_s=bandwidth_mbps * 125_000.0 if bandwidth_mbps else None,
+    )
     model_file = open_model(model)
     n_layers = model_file.config.n_layers
     if remote is not None and layers is None:
@@ -504,6 +516,7 @@ async def open_pipeline(
                                 downstream=d,
                                 host=host,
                                 wire_dtype=wire_dtype,
+                                link=link,
                                 task_status=task_status,
                             )
                         )
@@ -518,6 +531,7 @@ async def open_pipeline(
                             threads,
                             wire_dtype,
                             host,
+                            link,
                         )
                         started.append(StageInfo(index, ranges[index], address, pid))
                     downstream = address
@@ -525,7 +539,9 @@ async def open_pipeline(
                 addresses = [s.address for s in infos[1:] if s.address is not None]
             pool = None
             if addresses:
-                pool = LanePool(addresses[0], last_stage=addresses[-1], capacity=capacity)
+                pool = LanePool(
+                    addresses[0], last_stage=addresses[-1], capacity=capacity, link=link
+                )
                 await pool.start()
             pipeline = Pipeline(
                 model_file,
@@ -567,6 +583,7 @@ async def _spawn_stage(
     threads: int | None,
     wire_dtype: str,
     host: str,
+    link: LinkEmulation,
 ) -> tuple[str, int]:
     cmd = [
         sys.executable, "-m", "stagerun", "stage",
@@ -580,6 +597,10 @@ async def _spawn_stage(
         cmd += ["--downstream", downstream]
     if threads is not None:
         cmd += ["--threads", str(threads)]
+    if link.delay_s:
+        cmd += ["--hop-delay-ms", repr(link.delay_s * 1000.0)]
+    if link.bandwidth_bytes_per_s:
+        cmd += ["--bandwidth-mbps", repr(link.bandwidth_bytes_per_s / 125_000.0)]
     proc: trio.Process = await nursery.start(
         lambda task_status: trio.run_process(  # noqa: ASYNC105 (awaited by nursery.start)
             cmd, stdout=subprocess.PIPE, check=False, task_status=task_status

@@ -30,7 +30,7 @@ import trio
 
 from . import _proto
 from ._errors import ComputeCancelled, LaneError, LaneHandshakeError, StageError, StagerunError
-from ._framed import FrameStream, server_handshake
+from ._framed import NO_EMULATION, FrameStream, LinkEmulation, server_handshake
 from ._lanes import open_connection, stage_reply_timeout
 from ._sampling import sample_rows
 from .transports import TcpTransport, parse_address
@@ -104,6 +104,7 @@ class StageServer:
         index: int,
         downstream: str | None = None,
         wire_dtype: _proto.ActivationDType = "f32",
+        link: LinkEmulation = NO_EMULATION,
     ) -> None:
         if downstream is None and not backend.is_last:
             lo, hi = backend.layers
@@ -118,6 +119,7 @@ class StageServer:
         self.downstream = downstream
         self.is_last = downstream is None
         self.wire_dtype = wire_dtype
+        self.link = link
         self.address: str | None = None
         self.reply_timeout = stage_reply_timeout()
         self._compute_lock = trio.Lock()
@@ -164,7 +166,9 @@ class StageServer:
 
     async def _on_connection(self, stream: trio.abc.Stream, peer: str) -> None:
         try:
-            framed, hello = await server_handshake(stream, peer=peer, check=self._check_hello)
+            framed, hello = await server_handshake(
+                stream, peer=peer, check=self._check_hello, link=self.link
+            )
         except LaneHandshakeError as exc:
             log.info("stage %d: %s", self.index, exc)
             await trio.aclose_forcefully(stream)
@@ -301,7 +305,7 @@ class _LaneTask:
             self.down = None
         if self.down is None:
             assert self.server.downstream is not None
-            self.down = await _connect_with_retry(self.server.downstream)
+            self.down = await _connect_with_retry(self.server.downstream, self.server.link)
         return self.down
 
     async def _dispatch(self, frame: _proto.Frame) -> None:
@@ -468,13 +472,17 @@ class _LaneTask:
         await target.send(error, timeout=self.server.reply_timeout)
 
 
-async def _connect_with_retry(address: str) -> FrameStream:
+async def _connect_with_retry(address: str, link: LinkEmulation) -> FrameStream:
     """Open the downstream hop, retrying while the next stage is still starting."""
     deadline = trio.current_time() + DOWNSTREAM_CONNECT_SECONDS
     while True:
         try:
             return await open_connection(
-                address, role=_proto.Role.LANE, connect_timeout=2.0, ready_timeout=10.0
+                address,
+                role=_proto.Role.LANE,
+                connect_timeout=2.0,
+                ready_timeout=10.0,
+                link=link,
             )
         except LaneHandshakeError:
             if trio.current_time() >= deadline:
@@ -490,8 +498,11 @@ async def serve_stage(
     host: str = "127.0.0.1",
     port: int = 0,
     wire_dtype: _proto.ActivationDType = "f32",
+    link: LinkEmulation = NO_EMULATION,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one stage until cancelled; ``await nursery.start(serve_stage, ...)`` gives its address."""
-    server = StageServer(backend, index=index, downstream=downstream, wire_dtype=wire_dtype)
+    server = StageServer(
+        backend, index=index, downstream=downstream, wire_dtype=wire_dtype, link=link
+    )
     await server.serve(host, port, task_status=task_status)

@@ -218,3 +218,14 @@ async def test_joining_remote_stages(tiny: Path, nursery: trio.Nursery) -> None:
     async with open_pipeline(tiny, layers=ranges, remote=[middle, last]) as pipeline:
         assert [s.address for s in pipeline.stages] == [None, middle, last]
         assert (await pipeline.complete(PROMPT, max_tokens=12)).token_ids == reference
+
+
+async def test_hop_delay_emulates_a_wan_link(tiny: Path) -> None:
+    reference = await _greedy(tiny, 1, n=6)
+    async with open_pipeline(tiny, stages=3, hop_delay_ms=20) as pipeline:
+        result = await pipeline.complete(PROMPT, max_tokens=6)
+    assert result.token_ids == reference
+    # every decode step crosses three delayed hops: 0 -> 1 -> 2 -> 0
+    per_token_ms = result.timings["predicted_ms"] / (len(result.token_ids) - 1)
+    assert 60 <= per_token_ms < 120
+    assert result.timings["prompt_ms"] >= 60 + 2 * 20  # configure ack (2 hops) + prefill
