@@ -53,3 +53,7 @@ class StageError(StagerunError):
 
 class ComputeCancelled(StagerunError):
     """A compute was stopped at a layer boundary because its work went stale."""
+
+
+class VerifyWindowError(ProtocolError):
+    """A verify window broke the pipeline's order: full pipeline, out-of-order or short reply."""

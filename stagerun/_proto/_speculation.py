@@ -1,0 +1,440 @@
+"""The speculation controller: decides which verify windows to open and what each reply commits.
+
+Theory of operation
+-------------------
+The controller owns one request's decode after prefill. It holds the committed history
+(prompt plus generated tokens; the last one, ``c``, is committed but not yet fed to the model)
+and a :class:`~._windows.VerifyWindowScheduler` whose FIFO is the single record of the windows
+in flight. It never does I/O and never reads a clock; a Trio shell drives it (decide, then do):
+
+1. **Fill.** While :meth:`SpeculationController.next_draft_request` returns a
+   :class:`DraftRequest`, the shell asks its drafter for up to ``max_drafts`` tokens following
+   ``context`` and hands them to :meth:`~SpeculationController.open_window`, which returns a
+   :class:`SendWindow` to carry out (stage-0 compute + ``Verify`` on the lane). With no live
+   window in flight the window *starts an epoch*: inputs ``[c, d1..dk]`` at the position of
+   ``c``. Otherwise (depth above 1) it is a *continuation chunk* of the current epoch, drafted on
+   the assumption that every live window before it is fully accepted: inputs ``[e1..em]`` at
+   the next position, so chunks never overlap. A continuation that gets no drafts is a horizon
+   miss, and filling pauses until the next reply.
+2. **Reply.** :meth:`~SpeculationController.on_predictions` takes a window's predictions (one
+   per input row) and returns commands. A stale window's reply is consumed (counted, never
+   committed); :meth:`~SpeculationController.on_cancelled` takes the last stage's
+   ``Cancelled`` list of stale windows that will never be answered (and a reply for a later
+   window proves the same of stale windows still queued before it). A live
+   window is judged by :func:`~._verdict.accept_window` against its verdict vector (its own
+   predictions when it starts an epoch, else the previous chunk's boundary plus them). A verdict
+   that ends generation (EOG, budget) gives :class:`Commit` + :class:`Finish`; a wrong draft gives
+   :class:`Commit` (accepted drafts + the target's correction) + :class:`NewEpoch` (the later
+   windows now stale, to ``Cancel``, and the position the next epoch restarts from). A full
+   accept whose bonus token the next chunk guessed commits the drafts only and keeps the bonus
+   as that chunk's boundary; any other full accept commits the bonus too, and a dependent chunk
+   that guessed differently goes stale behind a :class:`NewEpoch`.
+
+Committed tokens are always entries of the target's verdict vectors, so the output equals plain
+decoding of the target. Drafts are bounded so that fully accepted windows never overshoot the
+token budget. Live windows always belong to the current epoch and queue behind every stale
+window, and after each reply plus a fill at least one live window is in flight until the request
+finishes, so a shell that waits for the next reply never waits on a cancelled window alone.
+
+With ``adaptive=True`` the draft width follows the original's draft-model policy: one more after
+a full accept or a tail reject (up to the configured width), one less after an early reject.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Literal, TypeAlias
+
+import attrs
+
+from .._errors import VerifyWindowError
+from ._verdict import (
+    SpeculationStats,
+    Verdict,
+    VerdictKind,
+    accept_window,
+    compose_target_predictions,
+)
+from ._windows import VerifyWindow, VerifyWindowScheduler
+
+FinishReason: TypeAlias = Literal["eog", "length", "stop", "cancelled"]
+
+
+@attrs.frozen
+class DraftRequest:
+    """What the drafter is asked for before the next window opens.
+
+    Attributes:
+        context: committed history plus the drafts of the live windows in flight.
+        max_drafts: the most drafts the window may carry (0: a plain decode step).
+        position: absolute position of the token the first draft guesses.
+        starts_epoch: whether the window will start a new epoch.
+    """
+
+    context: tuple[int, ...]
+    max_drafts: int
+    position: int
+    starts_epoch: bool
+
+
+@attrs.frozen
+class WindowTimings:
+    """What a window cost stage 0, in milliseconds (used for stale windows' accounting)."""
+
+    drain_ms: float = 0.0
+    stage0_compute_ms: float = 0.0
+    forward_write_ms: float = 0.0
+    downstream_wait_ms: float = 0.0
+    verify_elapsed_ms: float = 0.0
+
+
+@attrs.frozen
+class SendWindow:
+    """Compute ``window.inputs`` at ``window.base_position`` on stage 0 and send ``Verify``."""
+
+    window: VerifyWindow
+
+
+@attrs.frozen
+class Commit:
+    """Stream ``tokens`` to the client (the target's own; may end with an EOG token)."""
+
+    window_id: int
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen
+class NewEpoch:
+    """A divergence: ``Cancel`` the now stale windows; the next epoch restarts at a position."""
+
+    stale_epoch: int
+    epoch: int
+    cancel_window_ids: tuple[int, ...]
+    restart_position: int
+    reason: str
+
+
+@attrs.frozen
+class Finish:
+    """Generation is over: ``Cancel`` the windows made stale, then stop the request.
+
+    ``pending_window_ids`` lists every window whose reply may still arrive; the shell drains
+    them through :meth:`SpeculationController.on_predictions` and
+    :meth:`~SpeculationController.on_cancelled` (until ``drained``) or gives up on them.
+    """
+
+    reason: FinishReason
+    epoch: int
+    cancel_window_ids: tuple[int, ...]
+    pending_window_ids: tuple[int, ...]
+
+
+Command: TypeAlias = SendWindow | Commit | NewEpoch | Finish
+"""A step the Trio shell carries out, in the order the controller returned them."""
+
+
+class SpeculationController:
+    """Pure decision core of speculative decoding for one request.
+
+    Args:
+        history: prompt plus the tokens generated so far (at least the first one).
+        prompt_len: how many tokens of ``history`` are prompt.
+        max_tokens: the most tokens generation may produce, counting those already generated.
+        eog: end-of-generation token ids.
+        depth: verify windows kept in flight at most (1: serial).
+        width: drafts per window at most (0: plain decoding through windows).
+        adaptive: let the width shrink and grow with measured acceptance.
+        now_ms: the time the request's occupancy accounting starts from.
+    """
+
+    def __init__(
+        self,
+        history: Sequence[int],
+        *,
+        prompt_len: int,
+        max_tokens: int,
+        eog: Collection[int] = (),
+        depth: int = 1,
+        width: int = 4,
+        adaptive: bool = False,
+        now_ms: float = 0.0,
+    ) -> None:
+        if not 0 <= prompt_len < len(history):
+            raise ValueError(
+                f"history must hold the prompt ({prompt_len} tokens) and the first generated "
+                f"token, got {len(history)} tokens"
+            )
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if width < 0:
+            raise ValueError(f"window width must be at least 0, got {width}")
+        self.scheduler = VerifyWindowScheduler(depth, now_ms=now_ms)
+        self._history = list(history)
+        self._prompt_len = prompt_len
+        self._max_tokens = max_tokens
+        self._eog = frozenset(eog)
+        self._max_width = width
+        self._width = width
+        self._adaptive = adaptive
+        self._epoch = 0
+        self._boundary: int | None = None
+        self._horizon_dry = False
+        self._stats = SpeculationStats()
+        self.finish_reason: FinishReason | None = None
+        if self._history[-1] in self._eog:
+            self.finish_reason = "eog"
+        elif self.generated_count >= max_tokens:
+            self.finish_reason = "length"
+
+    def __repr__(self) -> str:
+        stale = sum(window.stale for window in self.scheduler.in_flight)
+        return (
+            f"<SpeculationController epoch={self._epoch} "
+            f"generated={self.generated_count}/{self._max_tokens} "
+            f"in_flight={self.scheduler.in_flight_len()} stale={stale} width={self._width} "
+            f"finished={self.finish_reason}>"
+        )
+
+    # --- state ---------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def history(self) -> tuple[int, ...]:
+        return tuple(self._history)
+
+    @property
+    def generated(self) -> tuple[int, ...]:
+        """The committed tokens after the prompt."""
+        return tuple(self._history[self._prompt_len :])
+
+    @property
+    def generated_count(self) -> int:
+        return len(self._history) - self._prompt_len
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the newest window that started one (0 before any)."""
+        return self._epoch
+
+    @property
+    def width(self) -> int:
+        return self._width
+
+    def stats(self) -> SpeculationStats:
+        return attrs.evolve(self._stats, width=self._width)
+
+    def _live(self) -> list[VerifyWindow]:
+        return [window for window in self.scheduler.in_flight if not window.stale]
+
+    # --- filling the pipeline ------------------------------------------------------------------
+
+    def next_draft_request(self) -> DraftRequest | None:
+        """The drafts the next window needs, or None when no window should open now."""
+        if self.finished or not self.scheduler.has_capacity():
+            return None
+        remaining = self._max_tokens - self.generated_count
+        live = self._live()
+        if not live:
+            return DraftRequest(
+                context=tuple(self._history),
+                max_drafts=min(self._width, remaining - 1),
+                position=len(self._history),
+                starts_epoch=True,
+            )
+        if self._horizon_dry or not self.scheduler.supports_pipelining(self._width):
+            return None
+        optimistic = [token for window in live for token in window.proposal]
+        # Room for the drafts of this chunk plus the bonus token of a full accept.
+        max_drafts = min(self._width, remaining - len(optimistic) - 1)
+        if max_drafts < 1:
+            return None
+        last = live[-1]
+        return DraftRequest(
+            context=(*self._history, *optimistic),
+            max_drafts=max_drafts,
+            position=last.base_position + len(last.inputs),
+            starts_epoch=False,
+        )
+
+    def open_window(self, drafts: Sequence[int], *, now_ms: float) -> SendWindow | None:
+        """Open the window :meth:`next_draft_request` asked for, with the drafter's tokens.
+
+        Drafts beyond ``max_drafts`` are ignored. A continuation with no drafts opens nothing
+        (a horizon miss) and returns None; filling then pauses until the next reply.
+
+        Raises:
+            VerifyWindowError: no window may open now (finished, or the pipeline is full).
+        """
+        request = self.next_draft_request()
+        if request is None:
+            raise VerifyWindowError(
+                f"no verify window may open now: {self!r} (call next_draft_request first)"
+            )
+        proposal = tuple(int(token) for token in drafts[: request.max_drafts])
+        if request.starts_epoch:
+            self._epoch += 1
+            base = len(self._history) - 1
+            inputs = (self._history[-1], *proposal)
+        else:
+            self.scheduler.record_horizon_refill(len(proposal))
+            if not proposal:
+                self._horizon_dry = True
+                return None
+            base = request.position
+            inputs = proposal
+        window = self.scheduler.open(
+            base,
+            base - self._prompt_len,
+            now_ms=now_ms,
+            epoch=self._epoch,
+            inputs=inputs,
+            proposal=proposal,
+            starts_epoch=request.starts_epoch,
+        )
+        return SendWindow(window)
+
+    def fill(
+        self, propose: Callable[[Sequence[int], int], Sequence[int]], *, now_ms: float
+    ) -> list[Command]:
+        """Open windows until the pipeline is full, with a synchronous drafter.
+
+        ``propose(context, max_drafts)`` returns the drafts following ``context``. A shell whose
+        drafter awaits runs the same loop itself over :meth:`next_draft_request`.
+        """
+        commands: list[Command] = []
+        while (request := self.next_draft_request()) is not None:
+            send = self.open_window(propose(request.context, request.max_drafts), now_ms=now_ms)
+            if send is None:
+                break
+            commands.append(send)
+        return commands
+
+    # --- replies -------------------------------------------------------------------------------
+
+    def on_predictions(
+        self,
+        window_id: int,
+        tokens: Sequence[int],
+        *,
+        now_ms: float,
+        timings: WindowTimings | None = None,
+    ) -> list[Command]:
+        """Take the predictions of window ``window_id``; return the commands they lead to.
+
+        ``timings`` is what the window cost, counted when the window turns out to be stale.
+
+        Raises:
+            VerifyWindowError: the reply is out of order, for no window in flight, or its
+                length does not match the window's inputs.
+        """
+        window = self.scheduler.peek_reply(window_id)
+        predictions = tuple(tokens)
+        if not window.stale and len(predictions) != len(window.inputs):
+            raise VerifyWindowError(
+                f"verify window {window.id} (epoch {window.epoch}, position "
+                f"{window.base_position}) returned {len(predictions)} tokens for "
+                f"{len(window.inputs)} inputs"
+            )
+        self.scheduler.discard_stale_before(window_id, now_ms=now_ms)
+        self.scheduler.complete_next(window_id, now_ms=now_ms)
+        self._horizon_dry = False
+        if window.stale:
+            self.scheduler.record_stale_execution(*attrs.astuple(timings or WindowTimings()))
+            return []
+        if window.starts_epoch:
+            target = predictions
+        else:
+            assert self._boundary is not None, f"continuation {window} without a boundary"
+            target = compose_target_predictions(self._boundary, predictions, len(window.proposal))
+        self._boundary = None
+        verdict = accept_window(
+            window.proposal,
+            target,
+            remaining=self._max_tokens - self.generated_count,
+            eog=self._eog,
+        )
+        self._observe(verdict, len(window.proposal))
+        later = self._live()
+        if (
+            verdict.kind is VerdictKind.FULL_ACCEPT
+            and not verdict.stop
+            and later
+            and later[0].proposal[:1] == verdict.tokens[-1:]
+        ):
+            # The next chunk of this epoch guessed the bonus token: keep it as its boundary.
+            self._boundary = verdict.tokens[-1]
+            return self._commit(window.id, verdict.tokens[:-1])
+        commands = self._commit(window.id, verdict.tokens)
+        if verdict.stop:
+            last = verdict.tokens[-1]
+            return commands + self._finish("eog" if last in self._eog else "length")
+        if verdict.rejected or later:
+            stale = self.scheduler.mark_epoch_stale(window.epoch)
+            self.scheduler.mark_recovery_epoch(len(stale))
+            ids = tuple(w.id for w in stale)
+            restart = len(self._history) - 1
+            commands.append(
+                NewEpoch(
+                    stale_epoch=window.epoch,
+                    epoch=self._epoch + 1,
+                    cancel_window_ids=ids,
+                    restart_position=restart,
+                    reason=f"window {window.id} diverged at position {restart} "
+                    f"(epoch {window.epoch}); stale windows {list(ids)}",
+                )
+            )
+        return commands
+
+    def on_cancelled(self, window_ids: Sequence[int], *, now_ms: float) -> tuple[int, ...]:
+        """Account for the windows the last stage's ``Cancelled`` says will get no reply.
+
+        Returns the ids that were still in flight. Their slots are free again: fill next.
+
+        Raises:
+            VerifyWindowError: a listed window is not stale.
+        """
+        dropped = self.scheduler.discard_cancelled(window_ids, now_ms=now_ms)
+        return tuple(window.id for window in dropped)
+
+    @property
+    def drained(self) -> bool:
+        """Finished, and no window's reply or cancellation is still owed."""
+        return self.finished and self.scheduler.in_flight_len() == 0
+
+    def finish(self, reason: FinishReason = "stop") -> list[Command]:
+        """End generation early (stop string, client gone); returns [] if already finished."""
+        if self.finished:
+            return []
+        return self._finish(reason)
+
+    def _commit(self, window_id: int, tokens: tuple[int, ...]) -> list[Command]:
+        if not tokens:
+            return []
+        self._history.extend(tokens)
+        return [Commit(window_id=window_id, tokens=tokens)]
+
+    def _finish(self, reason: FinishReason) -> list[Command]:
+        stale = self.scheduler.mark_epoch_stale(self._epoch)
+        self.scheduler.mark_stale(len(stale))
+        self._boundary = None
+        self.finish_reason = reason
+        return [
+            Finish(
+                reason=reason,
+                epoch=self._epoch,
+                cancel_window_ids=tuple(window.id for window in stale),
+                pending_window_ids=tuple(window.id for window in self.scheduler.in_flight),
+            )
+        ]
+
+    def _observe(self, verdict: Verdict, proposed: int) -> None:
+        self._stats = self._stats.observe(verdict, proposed)
+        if not self._adaptive or self._max_width == 0:
+            return
+        if verdict.kind in (VerdictKind.FULL_ACCEPT, VerdictKind.TAIL_REJECT):
+            self._width = min(self._width + 1, self._max_width)
+        elif verdict.kind is VerdictKind.EARLY_REJECT:
+            self._width = max(self._width - 1, 1)
