@@ -129,7 +129,14 @@ class Lane:
         )
 
     async def receive_predictions(self) -> _proto.Predictions:
-        """Wait for the next ``Predictions`` on the return connection.
+        """Wait for the next ``Predictions`` on the return connection (see `receive_reply`)."""
+        reply = await self.receive_reply()
+        if not isinstance(reply, _proto.Predictions):
+            raise LaneBrokenError(f"lane {self.id}: unexpected {type(reply).__name__} reply")
+        return reply
+
+    async def receive_reply(self) -> _proto.Predictions | _proto.Cancelled:
+        """Wait for the next reply on the return connection.
 
         The forward connection is watched at the same time: a stage that fails reports an
         ``Error`` upstream, and a broken forward connection means the chain is gone.
@@ -157,7 +164,7 @@ class Lane:
         if isinstance(result, BaseException):
             raise result
         reply = result.message
-        if isinstance(reply, _proto.Predictions) and stream is self.back:
+        if isinstance(reply, (_proto.Predictions, _proto.Cancelled)) and stream is self.back:
             return reply
         if isinstance(reply, _proto.Error):
             raise StageError(f"stage {reply.stage_index}: {reply.message}")

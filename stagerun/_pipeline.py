@@ -32,12 +32,14 @@ import trio
 from . import _proto
 from ._errors import LaneError, StageError
 from ._framed import LinkEmulation
-from ._lanes import LanePool, open_connection
+from ._lanes import Lane, LanePool, open_connection
 from ._sampling import sample_token
+from ._speculative import Drafter, SpeculationConfig, decode_speculative
 from ._stage import serve_stage
 from ._text import TextAssembler
 from ._util import single_exceptions
 from .backends import NumpyBackend
+from .drafters import DraftModelDrafter, NgramDrafter
 from .model import ModelFile, open_model
 
 Mode = Literal["inproc", "processes"]
@@ -126,8 +128,10 @@ class Pipeline:
         *,
         wire_dtype: _proto.ActivationDType,
         prefill_chunk: int,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         self.model = model
+        self.speculation = speculation or SpeculationConfig()
         self.config = model.config
         self.tokenizer = model.tokenizer
         self.stages = stages
@@ -190,6 +194,8 @@ class Pipeline:
         sampling: _proto.SamplingParams | None = None,
         chat: bool = False,
         stop: Sequence[str] = (),
+        speculation: SpeculationConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> AsyncIterator[GenerationStream]:
         """Stream a generation: ``async with p.generate(...) as s: async for chunk in s``.
 
@@ -206,7 +212,13 @@ class Pipeline:
             async with send:
                 try:
                     stream.result = await self._run(
-                        prompt_ids, max_tokens, params, send.send, stop=stop
+                        prompt_ids,
+                        max_tokens,
+                        params,
+                        send.send,
+                        stop=stop,
+                        speculation=speculation,
+                        drafter=drafter,
                     )
                 except Exception as exc:  # handed to the consumer, not lost in a group
                     stream.error = exc
@@ -233,8 +245,14 @@ class Pipeline:
         on_token: Callable[[TokenChunk], Any] | None = None,
         stop: Sequence[str] = (),
         ignore_eog: bool = False,
+        speculation: SpeculationConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> Completion:
         """Run one request to the end and return its `Completion`.
+
+        ``speculation`` overrides the pipeline's speculative settings for this request;
+        ``drafter`` supplies a drafter object (any object with ``begin``, ``commit`` and
+        ``propose``), which turns speculation on.
 
         ``ignore_eog`` keeps generating past end-of-generation tokens (benchmarks use it to
         produce exactly ``max_tokens``).
@@ -252,6 +270,8 @@ class Pipeline:
             emit,
             stop=stop,
             ignore_eog=ignore_eog,
+            speculation=speculation,
+            drafter=drafter,
         )
 
     async def _compute0(
@@ -277,6 +297,8 @@ class Pipeline:
         *,
         stop: Sequence[str] = (),
         ignore_eog: bool = False,
+        speculation: SpeculationConfig | None = None,
+        drafter: Drafter | None = None,
     ) -> Completion:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -288,45 +310,65 @@ class Pipeline:
                 f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}"
             )
         max_tokens = min(max_tokens, context - len(prompt_ids))
+        config = speculation or self.speculation
+        if drafter is None and config.enabled:
+            drafter = self._make_drafter(config)
+        if drafter is not None and not config.enabled:
+            config = attrs.evolve(config, drafter="ngram")  # an explicit drafter turns it on
         request_id = secrets.randbits(62)
         decoder = self.tokenizer.stream_decoder()
         assembler = TextAssembler(stop)
         eog = frozenset[int]() if ignore_eog else self.config.eog_ids
         generated: list[int] = []
-        finish: Literal["stop", "length"] = "length"
         cache = self._backend0.new_cache()
         t_start = time.perf_counter()
-        t_first = t_start
+        extra: dict[str, Any] = {}
 
-        async def run_chain(next_token: Callable[[int, int], Any]) -> None:
-            nonlocal finish, t_first
-            token = await next_token(-1, 0)
+        async def commit(token: int) -> bool:
+            """Emit one generated token; True when a stop string ended generation."""
+            generated.append(token)
+            await emit(TokenChunk(token, assembler.push(decoder.push(token))))
+            return assembler.stopped
+
+        async def compute(position: int, tokens: Sequence[int], logits: str) -> Any:
+            return await self._compute0(cache, position, tokens, logits)  # type: ignore[arg-type]
+
+        async def decode(lane: Lane | None) -> tuple[float, bool]:
+            """Prefill, then decode; returns when the first token came and if EOG ended it."""
+            first = await self._first_token(lane, request_id, cache, prompt_ids, sampling)
             t_first = time.perf_counter()
-            position = len(prompt_ids)
+            if drafter is not None:
+                if first in eog:
+                    return t_first, True
+                if await commit(first) or len(generated) >= max_tokens:
+                    return t_first, False
+                spec_timings, reason = await decode_speculative(
+                    lane=lane,
+                    request_id=request_id,
+                    history=[*prompt_ids, first],
+                    prompt_len=len(prompt_ids),
+                    max_tokens=max_tokens,
+                    eog=eog,
+                    sampling=sampling,
+                    config=config,
+                    drafter=drafter,
+                    compute0=compute,
+                    wire_dtype=self.wire_dtype,
+                    on_commit=commit,
+                )
+                extra.update(spec_timings)
+                return t_first, reason == "eog"
+            token, position = first, len(prompt_ids)
             while True:
                 if token in eog:
-                    finish = "stop"
-                    return
-                generated.append(token)
-                await emit(TokenChunk(token, assembler.push(decoder.push(token))))
-                if assembler.stopped:
-                    finish = "stop"
-                    return
-                if len(generated) >= max_tokens:
-                    return
-                token = await next_token(token, position)
+                    return t_first, True
+                if await commit(token) or len(generated) >= max_tokens:
+                    return t_first, False
+                token = await self._decode_step(lane, request_id, cache, token, position, sampling)
                 position += 1
 
         if self.pool is None:
-
-            async def local_step(token: int, position: int) -> int:
-                if token < 0:
-                    logits = await self._compute0(cache, 0, prompt_ids)
-                    return sample_token(logits[-1], sampling, len(prompt_ids))
-                logits = await self._compute0(cache, position, [token])
-                return sample_token(logits[-1], sampling, position + 1)
-
-            await run_chain(local_step)
+            t_first, eog_stop = await decode(None)
         else:
             async with self.pool.checkout(request_id) as lane:
                 await lane.request_ack(
@@ -337,40 +379,25 @@ class Pipeline:
                         sampling=sampling,
                     )
                 )
-
-                async def remote_step(token: int, position: int) -> int:
-                    if token < 0:
-                        await self._prefill(lane, request_id, cache, prompt_ids)
-                    else:
-                        hidden = await self._compute0(cache, position, [token])
-                        await lane.send(
-                            _proto.Decode(
-                                request_id=request_id, position=position, tokens=(token,)
-                            ),
-                            hidden,
-                            self.wire_dtype,
-                        )
-                    reply = await lane.receive_predictions()
-                    if reply.request_id != request_id:
-                        raise StageError(f"prediction for another request on lane {lane.id}")
-                    return int(reply.tokens[-1])
-
-                await run_chain(remote_step)
+                t_first, eog_stop = await decode(lane)
         tail = assembler.flush(decoder.flush())
         if tail:
             await emit(TokenChunk(-1, tail))
         t_end = time.perf_counter()
         n = len(generated)
         decode_ms = (t_end - t_first) * 1000.0
-        timings = {
-            "prompt_n": float(len(prompt_ids)),
+        timings: dict[str, Any] = {
+            "prompt_n": len(prompt_ids),
             "prompt_ms": (t_first - t_start) * 1000.0,
-            "predicted_n": float(n),
+            "prompt_per_second": len(prompt_ids) * 1000.0 / max((t_first - t_start) * 1000.0, 1e-9),
+            "predicted_n": n,
             "predicted_ms": decode_ms,
             "predicted_per_second": (n - 1) * 1000.0 / decode_ms
             if n > 1 and decode_ms > 0
             else 0.0,
         }
+        timings.update(extra)
+        finish: Literal["stop", "length"] = "stop" if eog_stop or assembler.stopped else "length"
         return Completion(
             text=assembler.text,
             token_ids=generated,
@@ -378,6 +405,55 @@ class Pipeline:
             finish_reason=finish,
             timings=timings,
         )
+
+    def _make_drafter(self, config: SpeculationConfig) -> Drafter:
+        if config.drafter == "ngram":
+            return NgramDrafter()
+        if config.drafter == "draft-model":
+            assert config.draft_model is not None
+            return DraftModelDrafter(config.draft_model, target_vocab_size=self.config.vocab_size)
+        raise ValueError(f"no drafter for {config.drafter!r}")
+
+    async def _first_token(
+        self,
+        lane: Lane | None,
+        request_id: int,
+        cache: Any,
+        prompt_ids: list[int],
+        sampling: _proto.SamplingParams,
+    ) -> int:
+        if lane is None:
+            logits = await self._compute0(cache, 0, prompt_ids)
+            return sample_token(logits[-1], sampling, len(prompt_ids))
+        await self._prefill(lane, request_id, cache, prompt_ids)
+        reply = await lane.receive_predictions()
+        if reply.request_id != request_id:
+            raise StageError(f"prediction for another request on lane {lane.id}")
+        return int(reply.tokens[-1])
+
+    async def _decode_step(
+        self,
+        lane: Lane | None,
+        request_id: int,
+        cache: Any,
+        token: int,
+        position: int,
+        sampling: _proto.SamplingParams,
+    ) -> int:
+        """One plain decode step: feed ``token`` at ``position``, return the next token."""
+        if lane is None:
+            logits = await self._compute0(cache, position, [token])
+            return sample_token(logits[-1], sampling, position + 1)
+        hidden = await self._compute0(cache, position, [token])
+        await lane.send(
+            _proto.Decode(request_id=request_id, position=position, tokens=(token,)),
+            hidden,
+            self.wire_dtype,
+        )
+        reply = await lane.receive_predictions()
+        if reply.request_id != request_id:
+            raise StageError(f"prediction for another request on lane {lane.id}")
+        return int(reply.tokens[-1])
 
     async def _prefill(self, lane: Any, request_id: int, cache: Any, prompt_ids: list[int]) -> None:
         chunk = self.prefill_chunk
@@ -454,6 +530,7 @@ async def open_pipeline(
     host: str = "127.0.0.1",
     hop_delay_ms: float = 0.0,
     bandwidth_mbps: float | None = None,
+    speculation: SpeculationConfig | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start (or join) a pipeline and yield a `Pipeline` to run requests on.
 
@@ -472,6 +549,7 @@ async def open_pipeline(
         hop_delay_ms: emulate a WAN link: every frame on every lane is delivered this much
             later (stages started here and stage 0 alike; remote stages set their own).
         bandwidth_mbps: with ``hop_delay_ms``, also cap each link's bandwidth.
+        speculation: speculative decoding settings (drafter, depth, window); off by default.
     """
     if hop_delay_ms < 0:
         raise ValueError(f"hop_delay_ms must not be negative, got {hop_delay_ms}")
@@ -550,6 +628,7 @@ async def open_pipeline(
                 pool,
                 wire_dtype=wire_dtype,
                 prefill_chunk=prefill_chunk,
+                speculation=speculation,
             )
             try:
                 yield pipeline

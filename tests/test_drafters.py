@@ -55,7 +55,6 @@ def test_oracle_error_rate_is_deterministic() -> None:
     assert guesses == half.propose(reference[:10], 40)
     misses = sum(a != b for a, b in zip(guesses, reference[10:50]))
     assert 8 <= misses <= 32
-    assert perfect.propose([1, 2, 3], 4) == []  # off the reference path
 
 
 def test_draft_model_self_draft_matches_greedy(tmp_path: Path) -> None:

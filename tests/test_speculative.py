@@ -1,0 +1,174 @@
+"""Speculative decoding end to end: pipelined verify windows give exactly plain decoding."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from stagerun import SamplingParams, StageServer, open_pipeline, split_layers
+from stagerun._speculative import SpeculationConfig
+from stagerun.backends import NumpyBackend
+from stagerun.drafters import OracleDrafter
+from stagerun.testing import write_tiny_model
+
+PROMPT = "the cat sat on the mat. the cat sat on the"
+SAMPLED = SamplingParams(temperature=1.0, top_k=50, seed=11)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layers=6)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="unknown drafter 'magic'"):
+        SpeculationConfig("magic")
+    with pytest.raises(ValueError, match="depth must be within 1..64"):
+        SpeculationConfig("ngram", depth=65)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        SpeculationConfig("draft-model")
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "seeded"])
+async def test_every_depth_and_drafter_matches_plain_decoding(
+    tiny: Path, sampling: SamplingParams
+) -> None:
+    async with open_pipeline(tiny, stages=3) as pipeline:
+        plain = await pipeline.complete(PROMPT, max_tokens=32, sampling=sampling)
+        reference = plain.prompt_token_ids + plain.token_ids
+        for depth in (1, 2, 4, 8):
+            config = SpeculationConfig("ngram", depth=depth, window=4)
+            result = await pipeline.complete(
+                PROMPT, max_tokens=32, sampling=sampling, speculation=config
+            )
+            assert result.token_ids == plain.token_ids, f"ngram depth {depth}"
+            for error_rate in (0.0, 0.3, 1.0):
+                drafter = OracleDrafter(
+                    reference, error_rate=error_rate, vocab_size=pipeline.config.vocab_size
+                )
+                result = await pipeline.complete(
+                    PROMPT, max_tokens=32, sampling=sampling, speculation=config, drafter=drafter
+                )
+                assert result.token_ids == plain.token_ids, f"oracle {error_rate} depth {depth}"
+                assert result.finish_reason == plain.finish_reason
+        assert pipeline.pool is not None and pipeline.pool.replaced == 0
+
+
+async def test_one_stage_speculation_matches(tiny: Path) -> None:
+    async with open_pipeline(tiny, stages=1) as pipeline:
+        plain = await pipeline.complete(PROMPT, max_tokens=24, sampling=SAMPLED)
+        drafter = OracleDrafter(
+            plain.prompt_token_ids + plain.token_ids,
+            error_rate=0.3,
+            vocab_size=pipeline.config.vocab_size,
+        )
+        result = await pipeline.complete(
+            PROMPT,
+            max_tokens=24,
+            sampling=SAMPLED,
+            speculation=SpeculationConfig("ngram", depth=4),
+            drafter=drafter,
+        )
+        assert result.token_ids == plain.token_ids
+
+
+async def test_timings_carry_speculative_keys(tiny: Path) -> None:
+    async with open_pipeline(tiny, stages=2, speculation=SpeculationConfig("ngram")) as pipeline:
+        result = await pipeline.complete(PROMPT, max_tokens=16)
+    timings = result.timings
+    for key in (
+        "speculative_windows",
+        "speculative_proposed_n",
+        "speculative_accepted_n",
+        "speculative_accept_rate",
+        "verify_window_depth",
+        "verify_window_opened",
+        "verify_window_stale_discarded",
+        "verify_window_occupancy_ms_by_depth",
+        "draft_n",
+        "draft_n_accepted",
+    ):
+        assert key in timings, key
+    assert timings["verify_window_depth"] == 4
+
+
+async def test_stop_strings_end_speculation_cleanly(tiny: Path) -> None:
+    async with open_pipeline(tiny, stages=3) as pipeline:
+        plain = await pipeline.complete(PROMPT, max_tokens=24, sampling=SAMPLED)
+        stop = plain.text[5:8]
+        expected = plain.text[: plain.text.index(stop)]
+        result = await pipeline.complete(
+            PROMPT,
+            max_tokens=24,
+            sampling=SAMPLED,
+            stop=[stop],
+            speculation=SpeculationConfig("ngram", depth=4),
+        )
+        assert result.text == expected and result.finish_reason == "stop"
+        assert pipeline.pool is not None and pipeline.pool.replaced == 0
+
+
+class SlowBackend:
+    """A real backend whose every layer takes a while, so windows queue up at stages."""
+
+    def __init__(self, inner: NumpyBackend, per_layer_s: float) -> None:
+        self.inner = inner
+        self.per_layer_s = per_layer_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, cache: Any, position: int, **kw: Any) -> Any:
+        should_stop = kw.get("should_stop")
+
+        def slow_stop() -> bool:
+            time.sleep(self.per_layer_s)
+            return bool(should_stop and should_stop())
+
+        kw["should_stop"] = slow_stop
+        return self.inner.forward(cache, position, **kw)
+
+
+async def test_stages_drop_queued_stale_windows_and_stop_stale_computes(
+    tiny: Path, nursery: trio.Nursery
+) -> None:
+    ranges = split_layers(6, 3)
+    servers: list[StageServer] = []
+    downstream: str | None = None
+    for index in (2, 1):
+        backend = SlowBackend(NumpyBackend(tiny, ranges[index]), per_layer_s=0.01)
+        server = StageServer(backend, index=index, downstream=downstream)  # type: ignore[arg-type]
+        downstream = await nursery.start(server.serve)
+        servers.insert(0, server)
+    async with open_pipeline(
+        tiny, layers=ranges, remote=[s.address for s in servers if s.address]
+    ) as pipeline:
+        plain = await pipeline.complete(PROMPT, max_tokens=20, sampling=SAMPLED)
+        plain_computes = [s.computes for s in servers]
+        drafter = OracleDrafter(
+            plain.prompt_token_ids + plain.token_ids,
+            error_rate=1.0,  # every first draft is wrong: every later window goes stale
+            vocab_size=pipeline.config.vocab_size,
+        )
+        result = await pipeline.complete(
+            PROMPT,
+            max_tokens=20,
+            sampling=SAMPLED,
+            speculation=SpeculationConfig("ngram", depth=4, window=2, adaptive=False),
+            drafter=drafter,
+        )
+    assert result.token_ids == plain.token_ids
+    opened = result.timings["verify_window_opened"]
+    dropped = sum(s.stale_dropped for s in servers)
+    stopped = sum(s.stale_stopped for s in servers)
+    computed = [s.computes - c for s, c in zip(servers, plain_computes, strict=True)]
+    # a queued stale window is never computed, and a stale compute in progress stops early
+    print(f"stale dropped={dropped} stopped={stopped} computed={computed} opened={opened}")
+    assert dropped >= 1, (dropped, stopped, computed, opened)
+    assert stopped >= 1, (dropped, stopped, computed, opened)
+    # (+ Configure-free computes: prefill is one compute per stage)
+    assert all(c < opened + 1 for c in computed), (computed, opened)
