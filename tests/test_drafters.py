@@ -49,11 +49,13 @@ def test_oracle_error_rate_is_deterministic() -> None:
     perfect.begin(reference[:10])
     assert perfect.propose(reference[:10], 5) == reference[10:15]
     wrong = OracleDrafter(reference, error_rate=1.0, vocab_size=1000)
-    assert all(a != b for a, b in zip(wrong.propose(reference[:10], 5), reference[10:15]))
+    assert all(
+        a != b for a, b in zip(wrong.propose(reference[:10], 5), reference[10:15], strict=True)
+    )
     half = OracleDrafter(reference, error_rate=0.5, vocab_size=1000, seed=3)
     guesses = half.propose(reference[:10], 40)
     assert guesses == half.propose(reference[:10], 40)
-    misses = sum(a != b for a, b in zip(guesses, reference[10:50]))
+    misses = sum(a != b for a, b in zip(guesses, reference[10:50], strict=True))
     assert 8 <= misses <= 32
 
 
