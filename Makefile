@@ -24,10 +24,10 @@ $(TEST_STAMP): $(STAMP)
 # Create or update .venv with everything (runtime, default model, test and reference deps).
 install: $(TEST_STAMP)
 
-# The main job: generate on the default model split across 3 stages (one process each).
+# The main job: serve the default model split across 3 stages (one process each) on an
+# OpenAI-compatible API at http://127.0.0.1:8000 (docs/api.md); Ctrl-C stops everything.
 run: $(STAMP)
-	$(VENV)/bin/stagerun generate --stages 3 --max-tokens 64 --chat \
-		"What is the capital of France? Answer in one sentence, then say why it matters."
+	$(VENV)/bin/stagerun serve --stages 3 --model smollm2
 
 # The whole test suite.
 test: $(TEST_STAMP)

@@ -1,4 +1,4 @@
-"""The ``stagerun`` command line: generate, stage, bench, models."""
+"""The ``stagerun`` command line: generate, stage, bench, models, serve."""
 
 from __future__ import annotations
 
@@ -97,6 +97,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pipeline_options(decode)
 
     sub.add_parser("models", help="list the models stagerun can find by name")
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API over a pipeline")
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="model name or GGUF path (default: smollm2, or the topology's)",
+    )
+    serve.add_argument("--stages", type=int, default=3, help="local stages to start (default 3)")
+    serve.add_argument("--topology", default=None, help="join the remote stages of a TOML file")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000, 0 = any)")
+    serve.add_argument(
+        "--parallel", type=int, default=4, help="requests generating at once = lanes (default 4)"
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=16, help="requests waiting before 429 (default 16)"
+    )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads per stage (default: the cores split between local stages)",
+    )
+    serve.add_argument("--inproc", action="store_true", help="run all stages in this process")
+    serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+        "(default: $STAGERUN_API_KEY)"
+    )  # fmt: skip
     return parser
 
 
@@ -115,6 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return trio.run(run_bench, args)
         if args.command == "models":
             return _models()
+        if args.command == "serve":
+            from .server._serve import serve_main
+
+            return serve_main(args)
     except StagerunError as exc:
         print(f"stagerun: error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,360 @@
+"""The HTTP application: OpenAI-compatible routes, health and metrics, on Starlette.
+
+Theory of operation: `create_app` wires a running `Pipeline` into a Starlette app. The outer
+`RequestContext` ASGI wrapper gives every request an id (the client's ``x-request-id`` or a
+new one, echoed in the response), checks the API key on ``/v1/*`` and records the status and
+duration of every answer. A completion handler parses and checks the request (pure code in
+`_openai`), tokenizes the prompt, asks `Admission` for a ticket (429 when the line is full)
+and returns a `GenerationResponse` that does the rest. Every error leaves in the OpenAI
+envelope.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Iterable
+
+import attrs
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .._pipeline import Pipeline
+from .._proto import SamplingParams
+from ._admission import Admission
+from ._generation import GenerationResponse, json_message
+from ._metrics import CONTENT_TYPE, Metrics
+from ._openai import (
+    ApiError,
+    GenerationRequest,
+    Kind,
+    error_envelope,
+    parse_generation_request,
+    parse_json_body,
+)
+from ._responses import ResponseShape
+
+log = logging.getLogger("stagerun.server")
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ENDPOINTS = frozenset(
+    {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
+)
+
+
+@attrs.define
+class ServerState:
+    """What the handlers share: the pipeline, admission, metrics and the served model id."""
+
+    pipeline: Pipeline
+    admission: Admission
+    model_id: str
+    model_aliases: frozenset[str]
+    metrics: Metrics = attrs.field(factory=Metrics)
+    max_body_bytes: int = MAX_BODY_BYTES
+    health_timeout: float = 1.0
+    started: int = attrs.field(factory=lambda: int(time.time()))
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_id and model not in self.model_aliases:
+            raise ApiError(
+                404,
+                f"the model {model!r} is not served here; use {self.model_id!r} "
+                "(GET /v1/models lists it)",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def create_app(
+    pipeline: Pipeline,
+    *,
+    model_id: str | None = None,
+    model_aliases: Iterable[str] = (),
+    capacity: int | None = None,
+    max_queue: int = 16,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> ASGIApp:
+    """The ASGI app serving ``pipeline``.
+
+    Args:
+        model_id: the id ``/v1/models`` reports (default: the model's name).
+        model_aliases: further ids requests may name (the ``--model`` string, the file name).
+        capacity: requests generating at once (default: the lane pool's capacity, or 1).
+        max_queue: requests that may wait for a slot before the server answers 429.
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
+    """
+    if capacity is None:
+        capacity = pipeline.pool.capacity if pipeline.pool is not None else 1
+    name = model_id or pipeline.config.name
+    state = ServerState(
+        pipeline=pipeline,
+        admission=Admission(capacity, max_queue),
+        model_id=name,
+        model_aliases=frozenset({*model_aliases, pipeline.config.name}) - {name},
+        max_body_bytes=max_body_bytes,
+    )
+    app = Starlette(
+        routes=[
+            Route("/v1/models", _models, methods=["GET"]),
+            Route("/v1/completions", _completions, methods=["POST"]),
+            Route("/v1/chat/completions", _chat_completions, methods=["POST"]),
+            Route("/health", _health, methods=["GET"]),
+            Route("/metrics", _metrics, methods=["GET"]),
+        ],
+        exception_handlers={
+            ApiError: _api_error_response,
+            HTTPException: _http_error_response,
+            Exception: _internal_error_response,
+        },
+    )
+    app.state.stagerun = state
+    return RequestContext(app, state, api_key=api_key)
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.stagerun
+    return state
+
+
+async def _api_error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.envelope(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"there is no {request.url.path}; see docs/api.md for the endpoints"
+        body = error_envelope(message, code="not_found")
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}; use {exc.headers and exc.headers.get('Allow')}"
+        body = error_envelope(message, code="method_not_allowed")
+    else:
+        body = error_envelope(str(exc.detail))
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error_response(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    body = error_envelope(f"internal error: {type(exc).__name__}", type="api_error")
+    return JSONResponse(body, status_code=500)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = ApiError(
+        413,
+        f"the request body is larger than {limit} bytes; shorten the prompt",
+        code="request_too_large",
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _models(request: Request) -> Response:
+    state = _state(request)
+    entry = {
+        "id": state.model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "stagerun",
+        "context_length": state.pipeline.config.context_length,
+    }
+    return JSONResponse({"object": "list", "data": [entry]})
+
+
+async def _completions(request: Request) -> Response:
+    return await _generation(request, "completion")
+
+
+async def _chat_completions(request: Request) -> Response:
+    return await _generation(request, "chat")
+
+
+def _prompt_ids(pipeline: Pipeline, req: GenerationRequest) -> tuple[list[int], str]:
+    if req.kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        return pipeline.encode_prompt(messages), "messages"
+    if isinstance(req.prompt, str):
+        return pipeline.encode_prompt(req.prompt), "prompt"
+    vocab = pipeline.config.vocab_size
+    for i, token in enumerate(req.prompt):
+        if token >= vocab:
+            raise ApiError(
+                400,
+                f"token id {token} at prompt[{i}] is outside the vocabulary (0..{vocab - 1})",
+                param="prompt",
+            )
+    return list(req.prompt), "prompt"
+
+
+async def _generation(request: Request, kind: Kind) -> Response:
+    state = _state(request)
+    body = await _read_body(request, state.max_body_bytes)
+    req = parse_generation_request(parse_json_body(body), kind)
+    state.check_model(req.model)
+    pipeline = state.pipeline
+    try:
+        prompt_ids, param = _prompt_ids(pipeline, req)
+    except ValueError as exc:  # a chat template that refuses the messages
+        raise ApiError(400, str(exc), param="messages") from exc
+    context = pipeline.config.context_length
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty after tokenization: give some text", param=param)
+    if len(prompt_ids) >= context:
+        raise ApiError(
+            400,
+            f"the prompt is {len(prompt_ids)} tokens long but the model's context is {context} "
+            "tokens; shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+    room = context - len(prompt_ids)
+    if req.max_tokens is not None:
+        max_tokens = min(req.max_tokens, room)
+    elif kind == "completion":
+        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    else:
+        max_tokens = room
+    sampling = SamplingParams(
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        seed=secrets.randbits(63) if req.seed is None else req.seed,
+    )
+    ticket = state.admission.try_admit()
+    if ticket is None:
+        adm = state.admission
+        raise ApiError(
+            429,
+            f"the server is busy ({adm.running} requests running, {adm.queued} waiting); "
+            "retry after a second",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        )
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    shape = ResponseShape(req, prefix + secrets.token_hex(12), req.model)
+    return GenerationResponse(
+        state, shape, prompt_ids, max_tokens=max_tokens, sampling=sampling, ticket=ticket
+    )
+
+
+async def _health(request: Request) -> Response:
+    state = _state(request)
+    health = await state.pipeline.check_health(timeout=state.health_timeout)
+    healthy = all(h.state == "ready" for h in health)
+    pool = state.pipeline.pool
+    lanes = None
+    if pool is not None:
+        lanes = {
+            "capacity": pool.capacity,
+            "idle": pool.idle,
+            "busy": pool.busy,
+            "replaced": pool.replaced,
+            "replace_failures": pool.replace_failures,
+        }
+    adm = state.admission
+    body = {
+        "status": "ok" if healthy else "unhealthy",
+        "model": state.model_id,
+        "stages": [h.to_json() for h in health],
+        "lanes": lanes,
+        "requests": {
+            "running": adm.running,
+            "queued": adm.queued,
+            "capacity": adm.capacity,
+            "max_queue": adm.max_queue,
+            "rejected": adm.rejected,
+        },
+    }
+    return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+async def _metrics(request: Request) -> Response:
+    state = _state(request)
+    health = await state.pipeline.check_health(timeout=state.health_timeout)
+    text = state.metrics.render(admission=state.admission, pool=state.pipeline.pool, health=health)
+    return PlainTextResponse(text, media_type=CONTENT_TYPE)
+
+
+def _valid_request_id(value: str) -> bool:
+    return 0 < len(value) <= 200 and value.isascii() and value.isprintable()
+
+
+class RequestContext:
+    """ASGI wrapper: request ids, the API key on ``/v1/*``, and per-request metrics."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, *, api_key: str | None) -> None:
+        self.app = app
+        self.state = state
+        self.api_key = api_key
+
+    def __repr__(self) -> str:
+        return f"<RequestContext auth={'on' if self.api_key else 'off'} {self.state.admission!r}>"
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.api_key is None or not scope["path"].startswith("/v1/"):
+            return True
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(
+                    token.strip().encode(), self.api_key.encode()
+                )
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = ""
+        for name, value in scope["headers"]:
+            if name == b"x-request-id":
+                request_id = value.decode("latin-1").strip()
+        if not _valid_request_id(request_id):
+            request_id = str(uuid.uuid4())
+        scope["stagerun.request_id"] = request_id
+        status = 500
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            if self._authorized(scope):
+                await self.app(scope, receive, send_with_id)
+            else:
+                body = error_envelope(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                headers = [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]
+                for message in json_message(401, body, headers):
+                    await send_with_id(message)
+        finally:
+            path = scope["path"]
+            endpoint = path if path in ENDPOINTS else "other"
+            self.state.metrics.observe_request(endpoint, status, time.perf_counter() - started)

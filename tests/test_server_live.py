@@ -1,0 +1,548 @@
+"""A live ``stagerun serve`` subprocess, driven with the official ``openai`` client and raw HTTP.
+
+Most tests use the tiny random model (fast); the last one uses the real default model to
+show that temperature-0 output through the API equals ``stagerun generate``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from stagerun import SamplingParams, open_pipeline
+from stagerun.testing import write_tiny_model
+from stagerun.transports import parse_address
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+TIMING_KEYS = {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"}
+
+
+class LiveServer:
+    """A ``stagerun serve --port 0`` child process and the URL it printed."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self._log_file = log.open("wb")
+        cmd = [sys.executable, "-m", "stagerun", "serve", "--port", "0", *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self._log_file, env={**os.environ, **(env or {})}
+        )
+        self.url = ""
+        self.line = ""
+
+    def wait_ready(self, timeout: float = 120.0) -> str:
+        if self.line:
+            return self.line
+        assert self.proc.stdout is not None
+        fd, buf, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + timeout
+        while b"\n" not in buf:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no URL line within {timeout}s; log: {self.log.read_text()}"
+            data = os.read(fd, 4096)
+            assert data, f"server exited ({self.proc.wait()}); log: {self.log.read_text()}"
+            buf += data
+        self.line = buf.decode().splitlines()[0]
+        self.url = self.line.split("listening on ", 1)[1].split(" ", 1)[0]
+        return self.line
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=10)
+
+    def openai(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
+
+    def stop(self, sig: int = signal.SIGINT) -> tuple[int, bytes]:
+        """Signal the server, wait for it, and return (exit code, the rest of its stdout)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        assert self.proc.stdout is not None
+        rest = self.proc.stdout.read()
+        self.proc.stdout.close()
+        self._log_file.close()
+        return code, rest
+
+
+def running(pid: int) -> bool:
+    """True while ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layers=6)
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One tiny-model server on 3 stage processes, shared by the module's quick tests."""
+    live = LiveServer(["--model", str(tiny)], tmp_path_factory.mktemp("log") / "serve.log")
+    try:
+        live.wait_ready()
+        yield live
+    finally:
+        live.stop()
+
+
+def reference(model: Path | str, requests: list[dict[str, Any]]) -> list[str]:
+    """What one in-process stage generates for each request (run outside the server)."""
+
+    async def run() -> list[str]:
+        out = []
+        async with open_pipeline(model, stages=1, threads=1) as pipeline:
+            for r in requests:
+                result = await pipeline.complete(
+                    r["prompt"],
+                    chat=r.get("chat", False),
+                    max_tokens=r["max_tokens"],
+                    sampling=SamplingParams(
+                        temperature=r.get("temperature", 0.0), seed=r.get("seed", 0)
+                    ),
+                    stop=r.get("stop", ()),
+                )
+                out.append(result.text)
+        return out
+
+    return trio.run(run)
+
+
+def test_serve_prints_one_line_and_the_openai_client_works(server: LiveServer, tiny: Path) -> None:
+    assert server.line == f"stagerun serve: listening on {server.url} (3 stages, model tiny)"
+    expected = reference(
+        tiny,
+        [
+            {"prompt": MESSAGES, "chat": True, "max_tokens": 12},
+            {"prompt": "The quick brown fox", "max_tokens": 10},
+            {"prompt": MESSAGES, "chat": True, "max_tokens": 12, "stop": ["rer"]},
+        ],
+    )
+    with server.openai() as client:
+        assert [m.id for m in client.models.list()] == ["tiny"]
+        chat = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=12, temperature=0
+        )  # type: ignore[arg-type]
+        assert chat.object == "chat.completion"
+        assert chat.choices[0].message.content == expected[0]
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.usage is not None and chat.usage.completion_tokens == 12
+        timings = (chat.model_extra or {})["timings"]
+        assert set(timings) >= TIMING_KEYS and timings["predicted_n"] == 12
+
+        with client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_completion_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ) as stream:
+            chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected[0]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+
+        text = client.completions.create(
+            model="tiny", prompt="The quick brown fox", max_tokens=10, temperature=0
+        )
+        assert text.object == "text_completion"
+        assert text.choices[0].text == expected[1]
+        assert text.usage is not None and text.usage.total_tokens == text.usage.prompt_tokens + 10
+        with client.completions.create(
+            model="tiny", prompt="The quick brown fox", max_tokens=10, temperature=0, stream=True
+        ) as text_stream:
+            assert "".join(c.choices[0].text for c in text_stream) == expected[1]
+
+        stopped = client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stop=["rer"],  # type: ignore[arg-type]
+        )
+        assert stopped.choices[0].message.content == expected[2]
+        assert "rer" not in expected[2] and stopped.choices[0].finish_reason == "stop"
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'stagerun_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
+    assert 'stagerun_stage_up{stage="2",' in metrics
+    assert "stagerun_completion_tokens_total 0" not in metrics
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "words"),
+    [
+        (b'{"model": "tiny", "messages": [', 400, None, "not valid JSON"),
+        ({"model": "tiny"}, 400, "messages", "'messages' is required"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": 1}]},
+            400,
+            "messages[0].content",
+            "must be a string",
+        ),
+        (
+            {"model": "tiny", "messages": MESSAGES, "max_tokens": "5"},
+            400,
+            "max_tokens",
+            "must be an integer",
+        ),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "x" * 600}]},
+            400,
+            "messages",
+            "shorten the prompt",
+        ),
+        ({"model": "gpt-4", "messages": MESSAGES}, 404, "model", "use 'tiny'"),
+        ({"model": "tiny", "messages": MESSAGES, "n": 3}, 400, "n", "only n=1"),
+        (
+            {"model": "tiny", "messages": MESSAGES, "pad": "x" * (4 * 1024 * 1024)},
+            413,
+            None,
+            "larger than",
+        ),
+    ],
+)
+def test_bad_requests_get_the_openai_error_envelope(
+    server: LiveServer, body: Any, status: int, param: str | None, words: str
+) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(
+        server.url + "/v1/chat/completions", content=content, headers={"x-request-id": "req-1"}
+    )
+    assert response.status_code == status
+    assert response.headers["x-request-id"] == "req-1"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert words in error["message"]
+    if status == 404:
+        assert error["code"] == "model_not_found"
+    if "shorten" in words:
+        assert error["code"] == "context_length_exceeded"
+
+
+def test_unknown_routes_and_methods_answer_in_the_envelope(server: LiveServer) -> None:
+    missing = httpx.get(server.url + "/v1/nothing")
+    assert missing.status_code == 404 and "no /v1/nothing" in missing.json()["error"]["message"]
+    wrong = httpx.get(server.url + "/v1/chat/completions")
+    assert wrong.status_code == 405 and "use POST" in wrong.json()["error"]["message"]
+
+
+def _poll_health(server: LiveServer, status: str, timeout: float) -> float:
+    start = time.monotonic()
+    while True:
+        if server.health().json()["status"] == status:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout, f"/health not {status!r} after {timeout}s"
+        time.sleep(0.05)
+
+
+def test_health_follows_a_killed_stage_and_errors_map_to_502_and_504(
+    tiny: Path, tmp_path: Path
+) -> None:
+    live = LiveServer(
+        ["--model", str(tiny)],
+        tmp_path / "serve.log",
+        env={"STAGERUN_STAGE_REPLY_TIMEOUT_SECS": "2"},
+    )
+    restarted: subprocess.Popen[bytes] | None = None
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+    try:
+        live.wait_ready()
+        health = live.health()
+        assert health.status_code == 200
+        stages = health.json()["stages"]
+        assert [s["state"] for s in stages] == ["ready"] * 3
+        assert [s["layers"] for s in stages] == [[0, 2], [2, 4], [4, 6]]
+        assert all(s["backend"] == "numpy" for s in stages)
+        assert stages[0]["address"] == "local" and "pid" in stages[1] and "pid" in stages[2]
+        last = stages[2]
+
+        os.kill(last["pid"], signal.SIGKILL)
+        took = _poll_health(live, "unhealthy", timeout=5.0)
+        sick = live.health()
+        assert sick.status_code == 503
+        assert [s["state"] for s in sick.json()["stages"]] == ["ready", "ready", "unreachable"]
+        print(f"/health turned unhealthy {took:.2f}s after the kill")
+        failed = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)
+        assert failed.status_code == 502
+        assert failed.json()["error"]["type"] == "api_error"
+
+        _scheme, _host, port = parse_address(last["address"])
+        restarted = subprocess.Popen(
+            [sys.executable, "-m", "stagerun", "stage", "--model", str(tiny), "--layers", "4:6",
+             "--index", "2", "--port", str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert restarted.stdout is not None
+        assert restarted.stdout.readline().startswith(b"READY ")
+        _poll_health(live, "ok", timeout=5.0)
+        assert (
+            httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        )
+
+        # A stage that stops answering (but keeps its sockets) is a reply timeout: 504.
+        middle = stages[1]["pid"]
+        os.kill(middle, signal.SIGSTOP)
+        resume = threading.Timer(3.0, os.kill, (middle, signal.SIGCONT))
+        resume.start()
+        try:
+            start = time.monotonic()
+            timed_out = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30)
+            assert timed_out.status_code == 504, timed_out.text
+            assert timed_out.json()["error"]["code"] == "upstream_timeout"
+            assert time.monotonic() - start < 10
+        finally:
+            resume.join()
+        assert (
+            httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        )
+    finally:
+        code, _ = live.stop()
+        if restarted is not None:
+            restarted.kill()
+            restarted.wait()
+            assert restarted.stdout is not None
+            restarted.stdout.close()
+    assert code == 0
+
+
+def test_ctrl_c_stops_the_server_and_every_stage(tiny: Path, tmp_path: Path) -> None:
+    live = LiveServer(
+        ["--model", str(tiny), "--stages", "3", "--parallel", "2"], tmp_path / "serve.log"
+    )
+    try:
+        live.wait_ready()
+        pids = [s["pid"] for s in live.health().json()["stages"][1:]]
+        assert len(pids) == 2 and all(running(pid) for pid in pids)
+    finally:
+        code, rest = live.stop(signal.SIGINT)
+    assert code == 0
+    assert rest == b""  # the URL line was the only line on stdout
+    assert not any(running(pid) for pid in pids)
+    assert "Traceback" not in live.log.read_text()
+
+
+def _start_stage(
+    tiny: Path, layers: str, index: int, *extra: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stagerun", "stage", "--model", str(tiny), "--layers", layers,
+         "--index", str(index), "--port", "0", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    assert line.startswith("READY "), line
+    return proc, line.split(" ", 1)[1].strip()
+
+
+def test_serve_joins_the_remote_stages_of_a_topology(tiny: Path, tmp_path: Path) -> None:
+    last, last_address = _start_stage(tiny, "3:6", 2)
+    middle, middle_address = _start_stage(tiny, "1:3", 1, "--downstream", last_address)
+    topology = tmp_path / "topology.toml"
+    topology.write_text(
+        f'model = "{tiny}"\n[[stages]]\nlayers = [0, 1]\n'
+        f'[[stages]]\naddress = "{middle_address}"\nlayers = [1, 3]\n'
+        f'[[stages]]\naddress = "{last_address}"\nlayers = [3, 6]\n'
+    )
+    live = LiveServer(["--topology", str(topology)], tmp_path / "serve.log")
+    try:
+        assert live.wait_ready().endswith("(3 stages, model tiny)")
+        stages = live.health().json()["stages"]
+        assert [(s["address"], s["layers"]) for s in stages] == [
+            ("local", [0, 1]), (middle_address, [1, 3]), (last_address, [3, 6])
+        ]  # fmt: skip
+        assert not any("pid" in s for s in stages)  # not ours: no process ids
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+        answer = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).json()
+        assert "choices" in answer, answer
+        assert (
+            answer["choices"][0]["message"]["content"]
+            == reference(tiny, [{"prompt": MESSAGES, "chat": True, "max_tokens": 6}])[0]
+        )
+    finally:
+        code, _ = live.stop()
+        for proc in (middle, last):
+            assert proc.poll() is None  # the server leaves remote stages running
+            proc.kill()
+            proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+    assert code == 0
+
+
+@pytest.mark.parametrize("what", ["dead topology address", "missing model"])
+def test_a_stage_that_cannot_start_exits_non_zero_with_one_line(
+    what: str, tiny: Path, tmp_path: Path
+) -> None:
+    if what == "missing model":
+        args = ["--model", str(tmp_path / "nope.gguf")]
+        words = "does not exist"
+    else:
+        topology = tmp_path / "topology.toml"
+        topology.write_text(
+            f'model = "{tiny}"\n[[stages]]\nlayers = [0, 3]\n'
+            '[[stages]]\naddress = "tcp://127.0.0.1:9"\nlayers = [3, 6]\n'
+        )
+        args = ["--topology", str(topology)]
+        words = "could not connect to tcp://127.0.0.1:9"
+    result = subprocess.run(
+        [sys.executable, "-m", "stagerun", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.startswith("stagerun: error: ") and words in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """The real default model on 3 stages, the defaults of ``stagerun serve`` (and `make run`).
+
+    Not waited for here: a test overlaps its reference run with the server's start.
+    """
+    live = LiveServer([], tmp_path_factory.mktemp("log") / "serve.log")
+    try:
+        yield live
+    finally:
+        code, _ = live.stop()
+        assert code == 0
+
+
+@pytest.mark.slow
+def test_eight_concurrent_streaming_clients_on_3_stages(real_server: LiveServer) -> None:
+    questions = [
+        "Name a colour.", "What is 2 + 2?", "Say hello in French.", "Name a planet.",
+        "What is the opposite of hot?", "Name a fruit.", "What do bees make?", "Name an ocean.",
+    ]  # fmt: skip
+    requests = [
+        {"prompt": [{"role": "user", "content": q}], "chat": True, "max_tokens": 12}
+        for q in questions
+    ]
+    expected = reference("smollm2", requests)  # one in-process stage, while the server starts
+    assert len(set(expected)) == 8
+    line = real_server.wait_ready()
+    assert line.endswith("(3 stages, model smollm2)")
+    barrier = threading.Barrier(8)
+
+    def client(i: int) -> tuple[str, str | None]:
+        with real_server.openai() as api:
+            barrier.wait()
+            with api.chat.completions.create(
+                model="smollm2",
+                messages=requests[i]["prompt"],
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+            ) as stream:
+                chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks[-1].choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(client, range(8)))
+    assert [text for text, _ in results] == expected
+    health = real_server.health().json()
+    assert health["lanes"] == {
+        "capacity": 4,
+        "idle": 4,
+        "busy": 0,
+        "replaced": 0,
+        "replace_failures": 0,
+    }
+    assert health["requests"]["rejected"] == 0
+    metrics = httpx.get(real_server.url + "/metrics").text
+    assert 'stagerun_requests_total{endpoint="/v1/chat/completions",status="200"} 8' in metrics
+
+
+@pytest.mark.slow
+def test_temperature_zero_through_the_api_equals_stagerun_generate(real_server: LiveServer) -> None:
+    """Chat requests use the model's chat template; the output is what the CLI prints."""
+    question = "What is the capital of France?"
+    prompt = "The capital of France is"
+    cli = [
+        sys.executable,
+        "-m",
+        "stagerun",
+        "generate",
+        "--json",
+        "--max-tokens",
+        "12",
+        "--threads",
+        "1",
+    ]
+    generate = [
+        subprocess.Popen(
+            [*cli, "--chat", question], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        ),
+        subprocess.Popen([*cli, prompt], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL),
+    ]
+    try:
+        chat_ref, text_ref = (json.loads(p.communicate(timeout=120)[0]) for p in generate)
+    finally:
+        for p in generate:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert "Paris" in chat_ref["text"] + text_ref["text"]
+    real_server.wait_ready()
+    messages = [{"role": "user", "content": question}]
+    with real_server.openai() as client:
+        chat = client.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        assert chat.choices[0].message.content == chat_ref["text"]
+        assert chat.usage is not None
+        assert chat.usage.prompt_tokens == len(chat_ref["prompt_token_ids"])  # the chat template
+        assert chat.usage.completion_tokens == len(chat_ref["token_ids"])
+        with client.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+        ) as stream:
+            streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == chat_ref["text"]
+        text = client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=12, temperature=0
+        )
+        assert text.choices[0].text == text_ref["text"]
+        assert text.usage is not None
+        assert text.usage.prompt_tokens == len(text_ref["prompt_token_ids"])
+        assert chat.usage.prompt_tokens > text.usage.prompt_tokens
+        with client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stream=True
+        ) as text_stream:
+            assert "".join(c.choices[0].text for c in text_stream) == text_ref["text"]
