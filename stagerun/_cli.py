@@ -12,7 +12,10 @@ from typing import Any
 import trio
 
 from ._errors import StagerunError
+from ._framed import LinkEmulation
 from ._proto import SamplingParams
+from ._speculative import SpeculationConfig
+from ._util import single_exceptions
 
 
 def _layer_range(text: str) -> tuple[int, int]:
@@ -52,6 +55,46 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _link_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hop-delay-ms",
+        type=float,
+        default=0.0,
+        help="emulate a WAN link: deliver every lane frame this much later (default 0)",
+    )
+    p.add_argument(
+        "--bandwidth-mbps", type=float, default=None, help="emulate a link of this bandwidth"
+    )
+
+
+def _speculation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        choices=["off", "ngram", "draft-model"],
+        default="off",
+        help="speculative decoding drafter (default off)",
+    )
+    p.add_argument("--depth", type=int, default=4, help="verify windows in flight (default 4)")
+    p.add_argument("--window", type=int, default=4, help="draft tokens per window (default 4)")
+    p.add_argument("--draft-model", default=None, help="GGUF for --speculative draft-model")
+    p.add_argument(
+        "--no-adaptive", action="store_true", help="keep window width and drafting fixed"
+    )
+
+
+def speculation_from_args(args: argparse.Namespace) -> SpeculationConfig | None:
+    """The speculation settings the options ask for (None when off)."""
+    if args.speculative == "off":
+        return None
+    return SpeculationConfig(
+        args.speculative,
+        depth=args.depth,
+        window=args.window,
+        adaptive=not args.no_adaptive,
+        draft_model=args.draft_model,
+    )
+
+
 def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
@@ -75,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_pipeline_options(gen)
     _sampling_options(gen)
+    _speculation_options(gen)
+    _link_options(gen)
 
     stage = sub.add_parser("stage", help="serve one stage (layers LO:HI) to upstream lanes")
     stage.add_argument("--model", default="smollm2")
@@ -85,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--downstream", default=None, help="address of the next stage")
     stage.add_argument("--threads", type=int, default=None)
     stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
+    _link_options(stage)
 
     bench = sub.add_parser("bench", help="measure throughput, side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -95,6 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
     decode.add_argument("--json", action="store_true")
     _add_pipeline_options(decode)
+    spec = bench_sub.add_parser(
+        "speculative", help="plain vs depth 1 vs depth D on input-grounded prompts"
+    )
+    spec.add_argument("--stages", type=int, default=3)
+    spec.add_argument("--depth", type=int, default=4, help="the pipelined depth D (default 4)")
+    spec.add_argument("--window", type=int, default=4, help="draft tokens per window")
+    spec.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
+    spec.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    spec.add_argument("--json", action="store_true")
+    _add_pipeline_options(spec)
+    _link_options(spec)
 
     sub.add_parser("models", help="list the models stagerun can find by name")
 
@@ -121,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute threads per stage (default: the cores split between local stages)",
     )
     serve.add_argument("--inproc", action="store_true", help="run all stages in this process")
+    _speculation_options(serve)
+    _link_options(serve)
     serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
@@ -134,20 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(name)s: %(message)s", stream=sys.stderr)
     try:
-        if args.command == "generate":
-            return trio.run(_generate, args)
-        if args.command == "stage":
-            return trio.run(_stage, args)
-        if args.command == "bench":
-            from ._bench import run_bench
-
-            return trio.run(run_bench, args)
-        if args.command == "models":
-            return _models()
-        if args.command == "serve":
-            from .server._serve import serve_main
-
-            return serve_main(args)
+        with single_exceptions():
+            return _dispatch(args)
     except StagerunError as exc:
         print(f"stagerun: error: {exc}", file=sys.stderr)
         return 1
@@ -156,6 +203,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        return trio.run(_generate, args)
+    if args.command == "stage":
+        return trio.run(_stage, args)
+    if args.command == "bench":
+        from ._bench import run_bench
+
+        return trio.run(run_bench, args)
+    if args.command == "models":
+        return _models()
+    if args.command == "serve":
+        from .server._serve import serve_main
+
+        return serve_main(args)
     return 2
 
 
@@ -177,6 +241,9 @@ async def _generate(args: argparse.Namespace) -> int:
         mode="inproc" if args.inproc else "processes",
         threads=args.threads,
         wire_dtype=args.wire_dtype,
+        hop_delay_ms=args.hop_delay_ms,
+        bandwidth_mbps=args.bandwidth_mbps,
+        speculation=speculation_from_args(args),
     ) as pipeline:
 
         def show(chunk: Any) -> None:
@@ -229,6 +296,12 @@ async def _stage(args: argparse.Namespace) -> int:
                 host=args.host,
                 port=args.port,
                 wire_dtype=args.wire_dtype,
+                link=LinkEmulation(
+                    delay_s=args.hop_delay_ms / 1000.0,
+                    bandwidth_bytes_per_s=(
+                        args.bandwidth_mbps * 125_000.0 if args.bandwidth_mbps else None
+                    ),
+                ),
                 task_status=task_status,
             )
         )

@@ -682,7 +682,13 @@ async def _spawn_stage(
         cmd += ["--bandwidth-mbps", repr(link.bandwidth_bytes_per_s / 125_000.0)]
     proc: trio.Process = await nursery.start(
         lambda task_status: trio.run_process(  # noqa: ASYNC105 (awaited by nursery.start)
-            cmd, stdout=subprocess.PIPE, check=False, task_status=task_status
+            cmd,
+            stdout=subprocess.PIPE,
+            check=False,
+            # Its own session: a terminal's Ctrl-C reaches only the driver, which then stops
+            # the stages in order (a SIGINT in every process at once raced the shutdown).
+            start_new_session=True,
+            task_status=task_status,
         )
     )
     with trio.fail_after(120):

@@ -92,7 +92,7 @@ class SpeculationConfig:
 
 # Drafting stops for a request whose acceptance stays below this after this many windows:
 # each window then costs a (wider) forward and returns about one token, like plain decoding.
-ADAPTIVE_MIN_WINDOWS = 8
+ADAPTIVE_MIN_WINDOWS = 4
 ADAPTIVE_MIN_ACCEPT_RATE = 0.15
 
 

@@ -27,6 +27,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from .._errors import StagerunError
 from .._pipeline import Mode, open_pipeline
 from .._proto import ActivationDType
+from .._speculative import SpeculationConfig
 from .._topology import load_topology
 from .._util import single_exceptions
 from ._app import create_app
@@ -54,6 +55,9 @@ class ServeOptions:
     mode: Mode = "processes"
     wire_dtype: ActivationDType = "f32"
     api_key: str | None = None
+    speculation: SpeculationConfig | None = None
+    hop_delay_ms: float = 0.0
+    bandwidth_mbps: float | None = None
 
 
 def served_model_id(model: str) -> str:
@@ -142,6 +146,9 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                 threads=threads,
                 wire_dtype=options.wire_dtype,
                 capacity=options.parallel,
+                speculation=options.speculation,
+                hop_delay_ms=options.hop_delay_ms,
+                bandwidth_mbps=options.bandwidth_mbps,
             ) as pipeline:
                 app: Any = create_app(
                     pipeline,
@@ -185,6 +192,8 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
 
 def options_from_args(args: object) -> ServeOptions:
     """`ServeOptions` from the parsed ``stagerun serve`` arguments."""
+    from .._cli import speculation_from_args
+
     get = functools.partial(getattr, args)
     return ServeOptions(
         model=get("model"),
@@ -198,6 +207,9 @@ def options_from_args(args: object) -> ServeOptions:
         mode="inproc" if get("inproc") else "processes",
         wire_dtype=get("wire_dtype"),
         api_key=get("api_key"),
+        speculation=speculation_from_args(args),  # type: ignore[arg-type]
+        hop_delay_ms=get("hop_delay_ms", 0.0),
+        bandwidth_mbps=get("bandwidth_mbps", None),
     )
 
 
