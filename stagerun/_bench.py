@@ -105,8 +105,8 @@ SPECULATIVE_PROMPTS = {
     "rewrite": "Rewrite this paragraph in the past tense, changing nothing else: I walk to the "
     "market every morning. I buy fresh bread and a bag of apples, and I talk with the baker "
     "about the weather. Then I carry everything home along the river.",
-    "code-edit": "Rename the variable `total` to `subtotal` in this function and return the "
-    "whole function:\n\ndef order_total(items, tax_rate):\n    total = 0\n    for item in items:\n"
+    "code-edit": "Add a docstring to this Python function and show the complete function:\n\n"
+    "def order_total(items, tax_rate):\n    total = 0\n    for item in items:\n"
     "        total += item.price * item.quantity\n    total = total * (1 + tax_rate)\n"
     "    return round(total, 2)\n",
 }

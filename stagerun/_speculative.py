@@ -94,6 +94,35 @@ class SpeculationConfig:
 # each window then costs a (wider) forward and returns about one token, like plain decoding.
 ADAPTIVE_MIN_WINDOWS = 4
 ADAPTIVE_MIN_ACCEPT_RATE = 0.15
+# Adaptive requests start narrow and shallow and earn width and depth with accepted drafts:
+# a window that is wrong from its first draft costs little, and no continuation windows are
+# drafted behind a branch that keeps diverging (they would only go stale).
+ADAPTIVE_INITIAL_WIDTH = 2
+
+
+class DepthControl:
+    """How many live windows an adaptive request may keep in flight (pure bookkeeping).
+
+    Starts at 1; a fully accepted window allows one more (up to the configured depth), a
+    window rejected at its first draft goes back to 1, a later rejection takes one away.
+    """
+
+    def __init__(self, depth: int, *, adaptive: bool) -> None:
+        self.max_depth = depth
+        self.allowed = 1 if adaptive else depth
+        self.adaptive = adaptive
+
+    def observe(self, before: _proto.SpeculationStats, after: _proto.SpeculationStats) -> None:
+        if not self.adaptive:
+            return
+        if after.full_accept_windows > before.full_accept_windows:
+            self.allowed = min(self.allowed + 1, self.max_depth)
+        elif (after.early_reject_windows + after.early_reject_stop_windows) > (
+            before.early_reject_windows + before.early_reject_stop_windows
+        ):
+            self.allowed = 1
+        elif after.tail_reject_windows > before.tail_reject_windows:
+            self.allowed = max(self.allowed - 1, 1)
 
 
 async def decode_speculative(
@@ -131,8 +160,10 @@ async def decode_speculative(
         depth=config.depth,
         width=config.window,
         adaptive=config.adaptive,
+        initial_width=min(ADAPTIVE_INITIAL_WIDTH, config.window) if config.adaptive else None,
         now_ms=0.0,
     )
+    depth = DepthControl(config.depth, adaptive=config.adaptive)
     if lane is not None:
         controller.scheduler.mark_direct_prediction_return(upstream_opened=True)
     drafter.begin(history[:prompt_len])
@@ -193,8 +224,14 @@ async def decode_speculative(
                 case Finish(epoch=epoch, cancel_window_ids=ids):
                     await cancel(epoch, ids)
 
+    def live_in_flight() -> int:
+        return sum(not window.stale for window in controller.scheduler.in_flight)
+
     async def fill() -> None:
-        while (request := controller.next_draft_request()) is not None:
+        while (
+            live_in_flight() < depth.allowed
+            and (request := controller.next_draft_request()) is not None
+        ):
             proposal: Sequence[int] = ()
             if drafting and request.max_drafts > 0:
                 proposal = await trio.to_thread.run_sync(
@@ -213,11 +250,13 @@ async def decode_speculative(
             reply = await lane.receive_reply()
         if reply.request_id != request_id:
             raise StageError(f"reply for another request on lane {lane.id if lane else '-'}")
+        before = controller.stats()
         if isinstance(reply, _proto.Cancelled):
             controller.on_cancelled(reply.window_ids, now_ms=now_ms())
         else:
             await apply(controller.on_predictions(reply.window_id, reply.tokens, now_ms=now_ms()))
         stats = controller.stats()
+        depth.observe(before, stats)
         if (
             drafting
             and config.adaptive

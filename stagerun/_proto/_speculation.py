@@ -144,6 +144,8 @@ class SpeculationController:
         depth: verify windows kept in flight at most (1: serial).
         width: drafts per window at most (0: plain decoding through windows).
         adaptive: let the width shrink and grow with measured acceptance.
+        initial_width: the width of the first windows (default ``width``); with ``adaptive``
+            a small start grows by one per well-accepted window, like a TCP slow start.
         now_ms: the time the request's occupancy accounting starts from.
     """
 
@@ -157,6 +159,7 @@ class SpeculationController:
         depth: int = 1,
         width: int = 4,
         adaptive: bool = False,
+        initial_width: int | None = None,
         now_ms: float = 0.0,
     ) -> None:
         if not 0 <= prompt_len < len(history):
@@ -174,7 +177,9 @@ class SpeculationController:
         self._max_tokens = max_tokens
         self._eog = frozenset(eog)
         self._max_width = width
-        self._width = width
+        if initial_width is not None and not 0 <= initial_width <= width:
+            raise ValueError(f"initial width must be within 0..{width}, got {initial_width}")
+        self._width = width if initial_width is None else initial_width
         self._adaptive = adaptive
         self._epoch = 0
         self._boundary: int | None = None
