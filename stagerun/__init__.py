@@ -18,14 +18,14 @@ from ._errors import StagerunError as StagerunError
 from ._errors import UnsupportedModelError as UnsupportedModelError
 from ._lanes import Lane as Lane
 from ._lanes import LanePool as LanePool
+from ._launch import open_pipeline as open_pipeline
+from ._launch import split_layers as split_layers
 from ._pipeline import Completion as Completion
 from ._pipeline import GenerationStream as GenerationStream
 from ._pipeline import Pipeline as Pipeline
 from ._pipeline import StageHealth as StageHealth
 from ._pipeline import StageInfo as StageInfo
 from ._pipeline import TokenChunk as TokenChunk
-from ._pipeline import open_pipeline as open_pipeline
-from ._pipeline import split_layers as split_layers
 from ._proto import SamplingParams as SamplingParams
 from ._stage import StageServer as StageServer
 from ._stage import serve_stage as serve_stage

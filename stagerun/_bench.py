@@ -14,7 +14,8 @@ import sys
 from contextlib import AsyncExitStack
 from typing import Any
 
-from ._pipeline import Mode, Pipeline, open_pipeline
+from ._launch import Mode, open_pipeline
+from ._pipeline import Pipeline
 from ._proto import SamplingParams
 
 

@@ -230,7 +230,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from ._pipeline import open_pipeline
+    from ._launch import open_pipeline
 
     if not args.json and args.stages > 1 and not args.inproc:
         print(f"stagerun: starting {args.stages} stages...", file=sys.stderr)

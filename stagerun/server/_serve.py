@@ -25,7 +25,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from .._errors import StagerunError
-from .._pipeline import Mode, open_pipeline
+from .._launch import Mode, open_pipeline
 from .._proto import ActivationDType
 from .._speculative import SpeculationConfig
 from .._topology import load_topology

@@ -1,0 +1,244 @@
+"""`open_pipeline()`: start (or join) the stages and yield a running `Pipeline`.
+
+Theory of operation: stage 0 lives in the calling process. The other stages are started here
+— as Trio tasks of this nursery (``inproc``), or as ``stagerun stage`` child processes on
+loopback, last stage first so each one learns its downstream address — or are already running
+elsewhere (``remote`` addresses). Everything started here is a child of the pipeline's nursery,
+so leaving the ``async with`` block stops every stage and process.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import trio
+
+from . import _proto
+from ._errors import StageError
+from ._framed import LinkEmulation
+from ._lanes import LanePool
+from ._pipeline import DEFAULT_PREFILL_CHUNK, Pipeline, StageInfo
+from ._speculative import SpeculationConfig
+from ._stage import serve_stage
+from ._util import single_exceptions
+from .backends import NumpyBackend
+from .model import ModelFile, open_model
+
+Mode = Literal["inproc", "processes"]
+
+
+def split_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Split ``n_layers`` into ``stages`` contiguous ranges as evenly as possible."""
+    if not 1 <= stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {stages} stages")
+    base, extra = divmod(n_layers, stages)
+    ranges, lo = [], 0
+    for i in range(stages):
+        hi = lo + base + (1 if i < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+async def _read_ready_line(proc: trio.Process, index: int) -> str:
+    assert proc.stdout is not None
+    buf = b""
+    while b"\n" not in buf:
+        data = await proc.stdout.receive_some(4096)
+        if not data:
+            raise StageError(
+                f"stage {index} exited before it was ready (exit code {proc.poll()}); "
+                "see its messages above"
+            )
+        buf += data
+    line = buf.split(b"\n", 1)[0].decode()
+    if not line.startswith("READY "):
+        raise StageError(f"stage {index} printed {line!r} instead of its ready line")
+    return line.split(" ", 1)[1].strip()
+
+
+@asynccontextmanager
+async def open_pipeline(
+    model: str | os.PathLike[str] = "smollm2",
+    *,
+    stages: int = 1,
+    layers: Sequence[tuple[int, int]] | None = None,
+    mode: Mode = "inproc",
+    remote: Sequence[str] | None = None,
+    threads: int | None = None,
+    wire_dtype: _proto.ActivationDType = "f32",
+    capacity: int = 1,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    host: str = "127.0.0.1",
+    hop_delay_ms: float = 0.0,
+    bandwidth_mbps: float | None = None,
+    speculation: SpeculationConfig | None = None,
+) -> AsyncIterator[Pipeline]:
+    """Start (or join) a pipeline and yield a `Pipeline` to run requests on.
+
+    Args:
+        model: a model name (``smollm2``) or a GGUF path.
+        stages: number of stages when ``layers`` is not given (layers split evenly).
+        layers: explicit ``[lo, hi)`` ranges, one per stage, contiguous from 0.
+        mode: ``inproc`` runs stages 1.. as Trio tasks here; ``processes`` spawns
+            ``stagerun stage`` children on loopback.
+        remote: addresses of already running stages 1..N-1 (then ``layers[0]`` or the even
+            split says what stage 0 holds, and nothing is started here).
+        threads: compute (BLAS) threads per stage.
+        wire_dtype: activation dtype on the wire (f32, f16 or q8).
+        capacity: lanes in the pool (concurrent requests served without connecting more).
+        prefill_chunk: prompt tokens per prefill frame.
+        hop_delay_ms: emulate a WAN link: every frame on every lane is delivered this much
+            later (stages started here and stage 0 alike; remote stages set their own).
+        bandwidth_mbps: with ``hop_delay_ms``, also cap each link's bandwidth.
+        speculation: speculative decoding settings (drafter, depth, window); off by default.
+    """
+    if hop_delay_ms < 0:
+        raise ValueError(f"hop_delay_ms must not be negative, got {hop_delay_ms}")
+    link = LinkEmulation(
+        delay_s=hop_delay_ms / 1000.0,
+        bandwidth_bytes_per_s=bandwidth_mbps * 125_000.0 if bandwidth_mbps else None,
+    )
+    model_file = open_model(model)
+    n_layers = model_file.config.n_layers
+    if remote is not None and layers is None:
+        stages = len(remote) + 1
+    ranges = list(layers) if layers is not None else split_layers(n_layers, stages)
+    _check_ranges(ranges, n_layers)
+    if remote is not None and len(remote) != len(ranges) - 1:
+        raise ValueError(
+            f"{len(ranges)} stages need {len(ranges) - 1} remote addresses, got {len(remote)}"
+        )
+    backend0 = await trio.to_thread.run_sync(
+        lambda: NumpyBackend(model_file, ranges[0], threads=threads)
+    )
+    with single_exceptions():
+        async with trio.open_nursery() as nursery:
+            infos = [StageInfo(0, ranges[0], None)]
+            addresses: list[str] = []
+            if remote is not None:
+                addresses = list(remote)
+                infos += [StageInfo(i + 1, ranges[i + 1], a) for i, a in enumerate(addresses)]
+            elif len(ranges) > 1:
+                downstream: str | None = None
+                started: list[StageInfo] = []
+                for index in range(len(ranges) - 1, 0, -1):
+                    if mode == "inproc":
+                        backend = await trio.to_thread.run_sync(
+                            functools.partial(
+                                NumpyBackend, model_file, ranges[index], threads=threads
+                            )
+                        )
+                        address = await nursery.start(
+                            lambda task_status, b=backend, i=index, d=downstream: serve_stage(
+                                b,
+                                index=i,
+                                downstream=d,
+                                host=host,
+                                wire_dtype=wire_dtype,
+                                link=link,
+                                task_status=task_status,
+                            )
+                        )
+                        started.append(StageInfo(index, ranges[index], address, os.getpid()))
+                    else:
+                        address, pid = await _spawn_stage(
+                            nursery,
+                            model_file,
+                            index,
+                            ranges[index],
+                            downstream,
+                            threads,
+                            wire_dtype,
+                            host,
+                            link,
+                        )
+                        started.append(StageInfo(index, ranges[index], address, pid))
+                    downstream = address
+                infos += reversed(started)
+                addresses = [s.address for s in infos[1:] if s.address is not None]
+            pool = None
+            if addresses:
+                pool = LanePool(
+                    addresses[0], last_stage=addresses[-1], capacity=capacity, link=link
+                )
+                await pool.start()
+            pipeline = Pipeline(
+                model_file,
+                backend0,
+                infos,
+                pool,
+                wire_dtype=wire_dtype,
+                prefill_chunk=prefill_chunk,
+                speculation=speculation,
+            )
+            try:
+                yield pipeline
+            finally:
+                if pool is not None:
+                    with trio.CancelScope(shield=True):
+                        await pool.aclose()
+                nursery.cancel_scope.cancel()
+
+
+def _check_ranges(ranges: Sequence[tuple[int, int]], n_layers: int) -> None:
+    expected = 0
+    for lo, hi in ranges:
+        if lo != expected or hi <= lo:
+            raise ValueError(
+                f"stage layer ranges {list(ranges)} must be contiguous, non-empty and start at 0"
+            )
+        expected = hi
+    if expected != n_layers:
+        raise ValueError(
+            f"stage layer ranges {list(ranges)} must end at the model's {n_layers} layers"
+        )
+
+
+async def _spawn_stage(
+    nursery: trio.Nursery,
+    model: ModelFile,
+    index: int,
+    layers: tuple[int, int],
+    downstream: str | None,
+    threads: int | None,
+    wire_dtype: str,
+    host: str,
+    link: LinkEmulation,
+) -> tuple[str, int]:
+    cmd = [
+        sys.executable, "-m", "stagerun", "stage",
+        "--model", str(model.path),
+        "--layers", f"{layers[0]}:{layers[1]}",
+        "--index", str(index),
+        "--host", host, "--port", "0",
+        "--wire-dtype", wire_dtype,
+    ]  # fmt: skip
+    if downstream is not None:
+        cmd += ["--downstream", downstream]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    if link.delay_s:
+        cmd += ["--hop-delay-ms", repr(link.delay_s * 1000.0)]
+    if link.bandwidth_bytes_per_s:
+        cmd += ["--bandwidth-mbps", repr(link.bandwidth_bytes_per_s / 125_000.0)]
+    proc: trio.Process = await nursery.start(
+        lambda task_status: trio.run_process(  # noqa: ASYNC105 (awaited by nursery.start)
+            cmd,
+            stdout=subprocess.PIPE,
+            check=False,
+            # Its own session: a terminal's Ctrl-C reaches only the driver, which then stops
+            # the stages in order (a SIGINT in every process at once raced the shutdown).
+            start_new_session=True,
+            task_status=task_status,
+        )
+    )
+    with trio.fail_after(120):
+        address = await _read_ready_line(proc, index)
+    return address, proc.pid
