@@ -286,3 +286,26 @@ async def test_pipeline_failures_map_to_502_504_or_a_final_sse_error(
             assert json.loads(lines[-1][6:])["error"]["code"] == code
             assert "data: [DONE]" not in lines
         assert (await client.get("/health")).json()["requests"]["running"] == 0
+
+
+async def test_speculative_pipelines_report_their_timings(tiny: Path) -> None:
+    from stagerun._speculative import SpeculationConfig
+
+    async with (
+        open_pipeline(tiny, stages=3, speculation=SpeculationConfig("ngram", depth=4)) as pipeline,
+        http_server(pipeline) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        body = {**CHAT, "max_tokens": 12, "temperature": 0}
+        reply = await client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        timings = reply.json()["timings"]
+        assert timings["verify_window_depth"] == 4
+        assert isinstance(timings["verify_window_occupancy_ms_by_depth"], list)
+        assert isinstance(timings["speculative_drafting_switched_off"], bool)
+        assert "speculative_accept_rate" in timings and "draft_n_accepted" in timings
+        plain = await pipeline.complete(
+            pipeline.encode_prompt(CHAT["messages"]), max_tokens=12,
+            speculation=SpeculationConfig(),
+        )  # fmt: skip
+        assert reply.json()["choices"][0]["message"]["content"] == plain.text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -28,11 +29,21 @@ def sse_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
 
 
-def timings_json(timings: dict[str, float]) -> dict[str, float | int]:
-    """llama-server's ``timings``: counts as integers, durations in milliseconds."""
-    out: dict[str, float | int] = {}
+def timings_json(timings: Mapping[str, Any]) -> dict[str, Any]:
+    """llama-server's ``timings``: counts as integers, durations in milliseconds.
+
+    Speculative requests add flags (kept as booleans) and per-depth occupancy lists.
+    """
+    out: dict[str, Any] = {}
     for key, value in timings.items():
-        out[key] = int(value) if key.endswith("_n") else round(value, 3)
+        if isinstance(value, bool):
+            out[key] = value
+        elif isinstance(value, (list, tuple)):
+            out[key] = [round(v, 3) if isinstance(v, float) else v for v in value]
+        elif isinstance(value, float):
+            out[key] = int(value) if key.endswith("_n") else round(value, 3)
+        else:
+            out[key] = value
     return out
 
 
