@@ -328,10 +328,16 @@ def test_speculation_timings_and_repr() -> None:
         "speculative_accepted_n": 1,
         "speculative_rejected_n": 1,
         "speculative_accept_rate": 0.5,
+        "speculative_accept_rate_by_position": [1.0, 0.0],
     }
     assert repr(controller) == (
         "<SpeculationController epoch=1 generated=7/64 in_flight=0 stale=0 width=2 finished=None>"
     )
+    # a second window, fully accepted: position 1 has now been accepted once in two tries
+    _open(controller, [41, 42, 43][: controller.width])
+    controller.on_predictions(2, [41, 42, 43, 44][: controller.width + 1], now_ms=0.0)
+    by_position = controller.stats().accept_rate_by_position
+    assert by_position[0] == 1.0 and by_position[1] == 0.5
 
 
 def test_constructor_refuses_a_history_without_a_generated_token() -> None:

@@ -85,25 +85,49 @@ class SpeculationStats:
     early_reject_windows: int = 0
     early_reject_stop_windows: int = 0
     width: int = 0
+    # Per draft position within a window (index 0 = first draft): how often a draft was
+    # proposed there, and how often it was accepted.
+    proposed_by_position: tuple[int, ...] = ()
+    accepted_by_position: tuple[int, ...] = ()
 
     @property
     def accept_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
+    @property
+    def accept_rate_by_position(self) -> tuple[float, ...]:
+        return tuple(
+            a / p if p else 0.0
+            for a, p in zip(self.accepted_by_position, self.proposed_by_position, strict=True)
+        )
+
     def observe(self, verdict: Verdict, proposed: int) -> SpeculationStats:
         """These counters with one more verified window of ``proposed`` drafts."""
         kind = f"{verdict.kind.value}_windows"
+        size = max(len(self.proposed_by_position), proposed)
+        by_proposed = list(self.proposed_by_position) + [0] * (
+            size - len(self.proposed_by_position)
+        )
+        by_accepted = list(self.accepted_by_position) + [0] * (
+            size - len(self.accepted_by_position)
+        )
+        for i in range(proposed):
+            by_proposed[i] += 1
+        for i in range(min(verdict.accepted, proposed)):
+            by_accepted[i] += 1
         return attrs.evolve(
             self,
             windows=self.windows + 1,
             proposed=self.proposed + proposed,
             accepted=self.accepted + verdict.accepted,
             rejected=self.rejected + verdict.rejected,
+            proposed_by_position=tuple(by_proposed),
+            accepted_by_position=tuple(by_accepted),
             **{kind: getattr(self, kind) + 1},
         )
 
 
-def speculation_timings(stats: SpeculationStats) -> dict[str, int | float]:
+def speculation_timings(stats: SpeculationStats) -> dict[str, int | float | list[float]]:
     """The ``speculative_*`` entries of a response's ``timings`` map."""
     return {
         "speculative_windows": stats.windows,
@@ -111,6 +135,7 @@ def speculation_timings(stats: SpeculationStats) -> dict[str, int | float]:
         "speculative_accepted_n": stats.accepted,
         "speculative_rejected_n": stats.rejected,
         "speculative_accept_rate": stats.accept_rate,
+        "speculative_accept_rate_by_position": list(stats.accept_rate_by_position),
     }
 
 
