@@ -117,6 +117,7 @@ class Pipeline:
         self.prefill_chunk = prefill_chunk
         self._backend0 = backend0
         self._compute_lock = trio.Lock()
+        self._draft_models: dict[str, DraftModelDrafter] = {}
 
     def __repr__(self) -> str:
         layout = ",".join(f"{lo}-{hi}" for lo, hi in (s.layers for s in self.stages))
@@ -314,11 +315,11 @@ class Pipeline:
             """Prefill, then decode; returns when the first token came and if EOG ended it."""
             first = await self._first_token(lane, request_id, cache, prompt_ids, sampling)
             t_first = time.perf_counter()
+            if first in eog:
+                return t_first, True
+            if await commit(first) or len(generated) >= max_tokens:
+                return t_first, False
             if drafter is not None:
-                if first in eog:
-                    return t_first, True
-                if await commit(first) or len(generated) >= max_tokens:
-                    return t_first, False
                 spec_timings, reason = await decode_speculative(
                     lane=lane,
                     request_id=request_id,
@@ -337,12 +338,12 @@ class Pipeline:
                 return t_first, reason == "eog"
             token, position = first, len(prompt_ids)
             while True:
+                token = await self._decode_step(lane, request_id, cache, token, position, sampling)
+                position += 1
                 if token in eog:
                     return t_first, True
                 if await commit(token) or len(generated) >= max_tokens:
                     return t_first, False
-                token = await self._decode_step(lane, request_id, cache, token, position, sampling)
-                position += 1
 
         if self.pool is None:
             t_first, eog_stop = await decode(None)
@@ -385,10 +386,16 @@ class Pipeline:
 
     def _make_drafter(self, config: SpeculationConfig) -> Drafter:
         if config.drafter == "ngram":
-            return NgramDrafter()
+            return NgramDrafter()  # per request: it indexes the request's own history
         if config.drafter == "draft-model":
             assert config.draft_model is not None
-            return DraftModelDrafter(config.draft_model, target_vocab_size=self.config.vocab_size)
+            drafter = self._draft_models.get(config.draft_model)
+            if drafter is None:  # loading a model takes seconds: one per pipeline, shared
+                drafter = DraftModelDrafter(
+                    config.draft_model, target_vocab_size=self.config.vocab_size
+                )
+                self._draft_models[config.draft_model] = drafter
+            return drafter
         raise ValueError(f"no drafter for {config.drafter!r}")
 
     async def _first_token(

@@ -172,3 +172,14 @@ async def test_stages_drop_queued_stale_windows_and_stop_stale_computes(
     assert stopped >= 1, (dropped, stopped, computed, opened)
     # (+ Configure-free computes: prefill is one compute per stage)
     assert all(c < opened + 1 for c in computed), (computed, opened)
+
+
+async def test_draft_model_drafter_end_to_end(tiny: Path) -> None:
+    config = SpeculationConfig("draft-model", depth=4, window=4, draft_model=str(tiny))
+    async with open_pipeline(tiny, stages=3) as pipeline:
+        plain = await pipeline.complete(PROMPT, max_tokens=24)
+        first = await pipeline.complete(PROMPT, max_tokens=24, speculation=config)
+        second = await pipeline.complete(PROMPT, max_tokens=24, speculation=config)
+    assert first.token_ids == second.token_ids == plain.token_ids
+    # the target drafting for itself, greedily: every draft is right
+    assert first.timings["speculative_accept_rate"] == 1.0

@@ -4,12 +4,15 @@ The draft model runs in stage 0's process with the reference numpy backend and i
 cache. Each proposal first trims that cache to the longest prefix it shares with the query
 context (the drafts of a rejected window are simply cut away), feeds the rest of the context in
 one forward, then decodes greedily one token at a time. Blocking code: the runtime calls it
-from a worker thread.
+from a worker thread. A pipeline shares one instance (loading a model takes seconds) among its
+requests: the cache is only a cache, re-synced to each query, and a lock keeps two requests'
+worker threads from using it at once.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,18 +43,22 @@ class DraftModelDrafter:
         self.backend = NumpyBackend(self.model, threads=threads)
         self._cache = self.backend.new_cache()
         self._fed: list[int] = []
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<DraftModelDrafter model={self.model.config.name!r} fed={len(self._fed)}>"
 
     def begin(self, prompt: Sequence[int]) -> None:
-        self._cache = self.backend.new_cache()
-        self._fed = []
+        pass  # the cache re-syncs to whatever context the next proposal brings
 
     def commit(self, tokens: Sequence[int]) -> None:
         pass  # the cache follows whatever context the next proposal brings
 
     def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        with self._lock:
+            return self._propose(context, max_tokens)
+
+    def _propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
         if max_tokens <= 0 or not context:
             return []
         limit = self.model.config.context_length - 1
