@@ -128,18 +128,19 @@ class Lane:
             f"lane {self.id}: expected an Ack from {self.forward.peer}, got {type(reply).__name__}"
         )
 
-    async def receive_predictions(self) -> _proto.Predictions:
+    async def receive_predictions(self, request_id: int) -> _proto.Predictions:
         """Wait for the next ``Predictions`` on the return connection (see `receive_reply`)."""
-        reply = await self.receive_reply()
+        reply = await self.receive_reply(request_id)
         if not isinstance(reply, _proto.Predictions):
             raise LaneBrokenError(f"lane {self.id}: unexpected {type(reply).__name__} reply")
         return reply
 
-    async def receive_reply(self) -> _proto.Predictions | _proto.Cancelled:
-        """Wait for the next reply on the return connection.
+    async def receive_reply(self, request_id: int) -> _proto.Predictions | _proto.Cancelled:
+        """Wait for the next reply for ``request_id`` on the return connection.
 
         The forward connection is watched at the same time: a stage that fails reports an
-        ``Error`` upstream, and a broken forward connection means the chain is gone.
+        ``Error`` upstream, and a broken forward connection means the chain is gone. A reply
+        for another request means the lane's state is confused: it raises `StageError`.
         """
         outcome: list[tuple[FrameStream, _proto.Frame | BaseException]] = []
 
@@ -165,6 +166,11 @@ class Lane:
             raise result
         reply = result.message
         if isinstance(reply, (_proto.Predictions, _proto.Cancelled)) and stream is self.back:
+            if reply.request_id != request_id:
+                raise StageError(
+                    f"lane {self.id}: a reply for request {reply.request_id} arrived while "
+                    f"request {request_id} was running"
+                )
             return reply
         if isinstance(reply, _proto.Error):
             raise StageError(f"stage {reply.stage_index}: {reply.message}")

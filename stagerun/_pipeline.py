@@ -23,7 +23,7 @@ import numpy as np
 import trio
 
 from . import _proto
-from ._errors import LaneError, StageError
+from ._errors import LaneError
 from ._lanes import Lane, LanePool, open_connection
 from ._sampling import sample_token
 from ._speculative import Drafter, SpeculationConfig, decode_speculative
@@ -410,9 +410,7 @@ class Pipeline:
             logits = await self._compute0(cache, 0, prompt_ids)
             return sample_token(logits[-1], sampling, len(prompt_ids))
         await self._prefill(lane, request_id, cache, prompt_ids)
-        reply = await lane.receive_predictions()
-        if reply.request_id != request_id:
-            raise StageError(f"prediction for another request on lane {lane.id}")
+        reply = await lane.receive_predictions(request_id)
         return int(reply.tokens[-1])
 
     async def _decode_step(
@@ -434,9 +432,7 @@ class Pipeline:
             hidden,
             self.wire_dtype,
         )
-        reply = await lane.receive_predictions()
-        if reply.request_id != request_id:
-            raise StageError(f"prediction for another request on lane {lane.id}")
+        reply = await lane.receive_predictions(request_id)
         return int(reply.tokens[-1])
 
     async def _prefill(self, lane: Any, request_id: int, cache: Any, prompt_ids: list[int]) -> None:

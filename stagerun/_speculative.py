@@ -28,7 +28,6 @@ import attrs
 import trio
 
 from . import _proto
-from ._errors import StageError
 from ._lanes import Lane
 from ._proto import (
     Commit,
@@ -247,9 +246,7 @@ async def decode_speculative(
         if lane is None:
             reply: _proto.Predictions | _proto.Cancelled = local_replies.popleft()
         else:
-            reply = await lane.receive_reply()
-        if reply.request_id != request_id:
-            raise StageError(f"reply for another request on lane {lane.id if lane else '-'}")
+            reply = await lane.receive_reply(request_id)
         before = controller.stats()
         if isinstance(reply, _proto.Cancelled):
             controller.on_cancelled(reply.window_ids, now_ms=now_ms())

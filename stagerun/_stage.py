@@ -365,19 +365,24 @@ class _LaneTask:
         try:
             down = await self._downstream(fresh_session=fresh_session)
             await down.send(message, timeout=self.server.reply_timeout)
-            frame = await down.receive(timeout=self.server.reply_timeout)
         except LaneError as exc:
             await self._fail(
                 message.request_id, f"downstream stage unreachable: {exc}", upstream=True
             )
             raise
-        reply = frame.message
+        await self._ack_upstream(down, message.request_id, own, start)
+
+    async def _ack_upstream(
+        self, down: FrameStream, request_id: int, own: _proto.StageStats, start: float
+    ) -> None:
+        """Wait for the downstream reply and acknowledge upstream with the merged stats."""
+        reply = (await down.receive(timeout=self.server.reply_timeout)).message
         if isinstance(reply, _proto.Ack):
             stats = own.merge(reply.stats)
             stats = attrs.evolve(
                 stats, downstream_wait_us=stats.downstream_wait_us + _us_since(start)
             )
-            await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))
+            await self.up.send(_proto.Ack(request_id=request_id, stats=stats))
         else:
             await self.up.send(reply)  # an Error from further down travels up unchanged
 
@@ -388,12 +393,15 @@ class _LaneTask:
     ) -> None:
         server = self.server
         wants_predictions = not isinstance(message, _proto.Prefill) or message.predict
+        # Failures go where stage 0 is listening: the return path for predictions from the
+        # last stage, upstream otherwise.
+        fail_upstream = not (wants_predictions and server.is_last)
         session = self.sessions.get(message.request_id)
         if session is None:
             await self._fail(
                 message.request_id,
                 f"request {message.request_id} was not configured on this lane",
-                upstream=not (wants_predictions and server.is_last),
+                upstream=fail_upstream,
             )
             return
         if self._is_cancelled(message):
@@ -421,11 +429,7 @@ class _LaneTask:
             server.stale_stopped += 1  # went stale while computing; stopped at a layer
             return
         except (ValueError, StagerunError) as exc:
-            await self._fail(
-                message.request_id,
-                f"compute failed: {exc}",
-                upstream=not (wants_predictions and server.is_last),
-            )
+            await self._fail(message.request_id, f"compute failed: {exc}", upstream=fail_upstream)
             return
         stats = _proto.StageStats(
             compute_us=_us_since(start), stage_count=1, token_count=len(message.tokens)
@@ -436,12 +440,7 @@ class _LaneTask:
             await down.send(message, out, server.wire_dtype, timeout=server.reply_timeout)
             stats = attrs.evolve(stats, forward_write_us=_us_since(write_start))
             if not wants_predictions:
-                frame = await down.receive(timeout=server.reply_timeout)
-                if isinstance(frame.message, _proto.Ack):
-                    merged = stats.merge(frame.message.stats)
-                    await self.up.send(_proto.Ack(request_id=message.request_id, stats=merged))
-                else:
-                    await self.up.send(frame.message)
+                await self._ack_upstream(down, message.request_id, stats, write_start)
             return
         if not wants_predictions:
             await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))

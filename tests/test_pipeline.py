@@ -107,7 +107,7 @@ async def test_bad_request_reports_stage_error(tiny: Path) -> None:
                     stagerun._proto.Decode(request_id=42, position=0, tokens=(1,)),
                     __import__("numpy").zeros((1, pipeline.config.d_model), "float32"),
                 )
-                await lane.receive_predictions()
+                await lane.receive_predictions(42)
 
 
 async def test_prompt_errors_are_clear(tiny: Path) -> None:
