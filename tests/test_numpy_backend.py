@@ -13,7 +13,7 @@ import pytest
 from threadpoolctl import threadpool_info
 
 from stagerun._errors import ComputeCancelled, LayerRangeError
-from stagerun.backends import KVCache, NumpyBackend
+from stagerun.backends import KVCache, NumpyBackend, _numpy
 from stagerun.model import ModelFile, open_model
 from stagerun.testing import write_tiny_model
 
@@ -229,9 +229,9 @@ def test_hidden_input_is_not_modified_and_is_cast(tiny_model: ModelFile) -> None
 def test_everything_is_float32(tiny: NumpyBackend) -> None:
     for layer in tiny._layers:
         for name in ("w_qkv", "w_o", "w_gu", "w_down"):
-            array = getattr(layer, name)
+            array = getattr(layer, name).data
             assert array.dtype == np.float32 and array.flags.c_contiguous
-    assert tiny._head is not None and tiny._head.dtype == np.float32
+    assert tiny._head is not None and tiny._head.data.dtype == np.float32
     assert tiny._cos.dtype == tiny._sin.dtype == np.float32
     cache = tiny.new_cache()
     for tokens in ([1, 2, 3], np.array([4], dtype=np.int64), (5, 6)):
@@ -354,3 +354,14 @@ def test_decode_speed_has_no_float64_slowdown(
     for p in range(len(prompt_ids), len(prompt_ids) + 16):
         smollm2_backend.forward(cache, p, tokens=[100])
     assert 16 / (time.perf_counter() - start) > 12
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+@pytest.mark.parametrize("n_out", [64, 100, 1])
+def test_panel_matmul_equals_plain_matmul(rows: int, n_out: int) -> None:
+    rng = np.random.default_rng(rows * 1000 + n_out)
+    w = rng.standard_normal((48, n_out)).astype(np.float32)
+    x = rng.standard_normal((rows, 48)).astype(np.float32)
+    got = _numpy._matmul(x, _numpy._Panels(w))
+    assert got.shape == (rows, n_out) and got.dtype == np.float32
+    np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
