@@ -386,7 +386,7 @@ class Pipeline:
 
     def _make_drafter(self, config: SpeculationConfig) -> Drafter:
         if config.drafter == "ngram":
-            return NgramDrafter()  # per request: it indexes the request's own history
+            return NgramDrafter(min_ngram=1)  # per request: it indexes the request's own history
         if config.drafter == "draft-model":
             assert config.draft_model is not None
             drafter = self._draft_models.get(config.draft_model)

@@ -19,6 +19,7 @@ With one stage there is no lane: windows are verified locally, one at a time.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,11 +40,18 @@ from ._proto import (
     speculation_timings,
 )
 from ._sampling import sample_rows
+from ._util import single_exceptions
 
 DRAFTERS = ("off", "ngram", "draft-model")
 
 
 class Drafter(Protocol):
+    """Proposes draft tokens (see ``stagerun.drafters``).
+
+    A drafter whose ``propose`` is fast may set ``blocking = False`` to be called on the Trio
+    thread; otherwise it runs in a worker thread.
+    """
+
     def begin(self, prompt: Sequence[int]) -> None: ...
 
     def commit(self, tokens: Sequence[int]) -> None: ...
@@ -89,39 +97,95 @@ class SpeculationConfig:
         return self.drafter != "off"
 
 
-# Drafting stops for a request whose acceptance stays below this after this many windows:
-# each window then costs a (wider) forward and returns about one token, like plain decoding.
+# Drafting stops for a request, after this many windows with drafts, when its acceptance is
+# below ADAPTIVE_MIN_ACCEPT_RATE or it commits tokens slower than PACE_MARGIN times the measured
+# rate of plain decoding (see PaceCheck).
 ADAPTIVE_MIN_WINDOWS = 4
 ADAPTIVE_MIN_ACCEPT_RATE = 0.15
+PACE_MARGIN = 1.1
+
+
+class PaceCheck:
+    """Whether speculation is measured slower than plain decoding for one request.
+
+    A plain decoding step costs one round trip of a one-token window, and no window costs
+    less, so the shortest window round trip seen in the request stands for it. Speculation is
+    slower when the tokens committed per millisecond since the first window opened fall below
+    ``PACE_MARGIN`` tokens per shortest round trip.
+    """
+
+    def __init__(self) -> None:
+        self._opened: dict[int, float] = {}
+        self.first_opened_ms: float | None = None
+        self.shortest_round_trip_ms = math.inf
+
+    def opened(self, window_id: int, now_ms: float) -> None:
+        self._opened[window_id] = now_ms
+        if self.first_opened_ms is None:
+            self.first_opened_ms = now_ms
+
+    def replied(self, window_id: int, now_ms: float) -> None:
+        opened = self._opened.pop(window_id, None)
+        if opened is not None:
+            self.shortest_round_trip_ms = min(self.shortest_round_trip_ms, now_ms - opened)
+
+    def forget(self, window_ids: Sequence[int]) -> None:
+        for window_id in window_ids:
+            self._opened.pop(window_id, None)
+
+    def slower_than_plain(self, committed: int, now_ms: float) -> bool:
+        if self.first_opened_ms is None or math.isinf(self.shortest_round_trip_ms):
+            return False
+        elapsed = now_ms - self.first_opened_ms
+        return committed * self.shortest_round_trip_ms < PACE_MARGIN * elapsed
+
+
 # Adaptive requests start narrow and shallow and earn width and depth with accepted drafts:
 # a window that is wrong from its first draft costs little, and no continuation windows are
 # drafted behind a branch that keeps diverging (they would only go stale).
 ADAPTIVE_INITIAL_WIDTH = 2
 
 
+# Adaptive depth: a continuation window pays only if every window ahead of it is accepted in
+# full. Its chance is estimated as p**k (p: the request's full-accept rate, an EWMA over
+# windows that carried drafts, starting from PRIOR), and a window opens while that chance is at
+# least MIN_CHAIN_PROBABILITY.
+FULL_ACCEPT_PRIOR = 0.7
+FULL_ACCEPT_EWMA_ALPHA = 0.3
+MIN_CHAIN_PROBABILITY = 0.2
+
+
 class DepthControl:
     """How many live windows an adaptive request may keep in flight (pure bookkeeping).
 
-    Starts at 1; a fully accepted window allows one more (up to the configured depth), a
-    window rejected at its first draft goes back to 1, a later rejection takes one away.
+    With the prior (p = 0.5) a request starts at depth 3; windows accepted in full raise the
+    estimate and the depth (p = 0.8 allows 7), rejections lower it to 1. Without ``adaptive``
+    the configured depth always applies.
     """
 
     def __init__(self, depth: int, *, adaptive: bool) -> None:
         self.max_depth = depth
-        self.allowed = 1 if adaptive else depth
         self.adaptive = adaptive
+        self.full_accept_rate = FULL_ACCEPT_PRIOR
+        self.allowed = self._depth_for(self.full_accept_rate) if adaptive else depth
+
+    def _depth_for(self, p: float) -> int:
+        allowed, chance = 1, p
+        while allowed < self.max_depth and chance >= MIN_CHAIN_PROBABILITY:
+            allowed += 1
+            chance *= p
+        return allowed
 
     def observe(self, before: _proto.SpeculationStats, after: _proto.SpeculationStats) -> None:
-        if not self.adaptive:
-            return
-        if after.full_accept_windows > before.full_accept_windows:
-            self.allowed = min(self.allowed + 1, self.max_depth)
-        elif (after.early_reject_windows + after.early_reject_stop_windows) > (
-            before.early_reject_windows + before.early_reject_stop_windows
-        ):
-            self.allowed = 1
-        elif after.tail_reject_windows > before.tail_reject_windows:
-            self.allowed = max(self.allowed - 1, 1)
+        """Take the windows verified between two snapshots of the request's counters."""
+        if not self.adaptive or after.proposed == before.proposed:
+            return  # nothing verified, or a window without drafts (a plain step)
+        judged = after.windows - before.windows
+        full = after.full_accept_windows - before.full_accept_windows
+        for i in range(judged):
+            outcome = 1.0 if i < full else 0.0
+            self.full_accept_rate += FULL_ACCEPT_EWMA_ALPHA * (outcome - self.full_accept_rate)
+        self.allowed = self._depth_for(self.full_accept_rate)
 
 
 async def decode_speculative(
@@ -169,8 +233,11 @@ async def decode_speculative(
     drafter.commit(history[prompt_len:])
     local_replies: deque[_proto.Predictions] = deque()
     drafting = True
+    pace = PaceCheck()
+    generated_at_start = controller.generated_count
 
     async def send(window: _proto.VerifyWindow) -> None:
+        pace.opened(window.id, now_ms())
         inputs = list(window.inputs)
         if lane is None:
             logits = await compute0(window.base_position, inputs, "all")
@@ -233,39 +300,71 @@ async def decode_speculative(
         ):
             proposal: Sequence[int] = ()
             if drafting and request.max_drafts > 0:
-                proposal = await trio.to_thread.run_sync(
-                    drafter.propose, request.context, request.max_drafts
-                )
+                if getattr(drafter, "blocking", True):
+                    proposal = await trio.to_thread.run_sync(
+                        drafter.propose, request.context, request.max_drafts
+                    )
+                else:  # a lookup of microseconds: a thread hop would cost more
+                    proposal = drafter.propose(request.context, request.max_drafts)
             opened = controller.open_window(proposal, now_ms=now_ms())
             if opened is None:
                 return  # no drafts for a continuation: wait for the next reply
             await apply([opened])
 
-    await fill()
-    while not controller.drained:
-        if lane is None:
-            reply: _proto.Predictions | _proto.Cancelled = local_replies.popleft()
-        else:
-            reply = await lane.receive_reply(request_id)
-        before = controller.stats()
-        if isinstance(reply, _proto.Cancelled):
-            controller.on_cancelled(reply.window_ids, now_ms=now_ms())
-        else:
-            await apply(controller.on_predictions(reply.window_id, reply.tokens, now_ms=now_ms()))
-        stats = controller.stats()
-        depth.observe(before, stats)
-        if (
-            drafting
-            and config.adaptive
-            and stats.windows >= ADAPTIVE_MIN_WINDOWS
-            and stats.accept_rate < ADAPTIVE_MIN_ACCEPT_RATE
-        ):
-            drafting = False  # measured not to pay: plain decoding through windows
-        await fill()
+    async def read_replies(
+        lane: Lane, channel: trio.MemorySendChannel[_proto.Predictions | _proto.Cancelled]
+    ) -> None:
+        # Replies are read the moment they arrive, also while stage 0 drafts and computes the
+        # next window: a reply read late would be committed late (and an emulated link, which
+        # starts a frame's delay when it is read, would charge the wait twice).
+        while True:
+            channel.send_nowait(await lane.receive_reply(request_id))
+
+    with single_exceptions():
+        async with trio.open_nursery() as nursery:
+            replies: trio.MemoryReceiveChannel[_proto.Predictions | _proto.Cancelled] | None = None
+            if lane is not None:
+                send_channel, replies = trio.open_memory_channel[
+                    _proto.Predictions | _proto.Cancelled
+                ](math.inf)
+                nursery.start_soon(read_replies, lane, send_channel)
+            await fill()
+            while not controller.drained:
+                if replies is None:
+                    reply: _proto.Predictions | _proto.Cancelled = local_replies.popleft()
+                else:
+                    reply = await replies.receive()
+                before = controller.stats()
+                if isinstance(reply, _proto.Cancelled):
+                    pace.forget(reply.window_ids)
+                    controller.on_cancelled(reply.window_ids, now_ms=now_ms())
+                else:
+                    pace.replied(reply.window_id, now_ms())
+                    await apply(
+                        controller.on_predictions(reply.window_id, reply.tokens, now_ms=now_ms())
+                    )
+                stats = controller.stats()
+                depth.observe(before, stats)
+                if (
+                    drafting
+                    and config.adaptive
+                    and sum(stats.proposed_by_position[:1]) >= ADAPTIVE_MIN_WINDOWS
+                    and (
+                        stats.accept_rate < ADAPTIVE_MIN_ACCEPT_RATE
+                        or pace.slower_than_plain(
+                            controller.generated_count - generated_at_start, now_ms()
+                        )
+                    )
+                ):
+                    drafting = False  # measured not to pay: plain decoding through windows
+                await fill()
+            nursery.cancel_scope.cancel()  # the reader waits for a reply that will not come
     timings: dict[str, Any] = {}
     timings.update(speculation_timings(controller.stats()))
     timings.update(response_timings(controller.scheduler.stats(now_ms())))
     timings["draft_n"] = controller.stats().proposed
     timings["draft_n_accepted"] = controller.stats().accepted
     timings["speculative_drafting_switched_off"] = not drafting
+    if not math.isinf(pace.shortest_round_trip_ms):
+        timings["speculative_shortest_window_ms"] = round(pace.shortest_round_trip_ms, 3)
     return timings, controller.finish_reason

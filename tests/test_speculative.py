@@ -6,11 +6,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
-from stagerun import SamplingParams, StageServer, open_pipeline, split_layers
-from stagerun._speculative import SpeculationConfig
+from stagerun import SamplingParams, StageServer, _proto, open_pipeline, split_layers
+from stagerun._speculative import DepthControl, PaceCheck, SpeculationConfig
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import OracleDrafter
 from stagerun.testing import write_tiny_model
@@ -183,3 +184,46 @@ async def test_draft_model_drafter_end_to_end(tiny: Path) -> None:
     assert first.token_ids == second.token_ids == plain.token_ids
     # the target drafting for itself, greedily: every draft is right
     assert first.timings["speculative_accept_rate"] == 1.0
+
+
+def _stats_after(windows: int, full: int, proposed: int) -> _proto.SpeculationStats:
+    return _proto.SpeculationStats(windows=windows, full_accept_windows=full, proposed=proposed)
+
+
+def test_adaptive_depth_follows_the_full_accept_rate() -> None:
+    control = DepthControl(8, adaptive=True)
+    start = control.allowed
+    assert 1 < start < 8  # the prior allows some pipelining, not all of it
+    stats = _stats_after(0, 0, 0)
+    for i in range(1, 8):  # every window accepted in full
+        after = _stats_after(i, i, 4 * i)
+        control.observe(stats, after)
+        stats = after
+    assert control.allowed == 8
+    for i in range(8, 14):  # every window rejected
+        after = _stats_after(i, stats.full_accept_windows, 4 * i)
+        control.observe(stats, after)
+        stats = after
+    assert control.allowed == 1
+    # A window that carried no drafts (a plain step) says nothing about drafting.
+    control.observe(stats, attrs.evolve(stats, windows=stats.windows + 1))
+    assert control.allowed == 1
+
+
+def test_fixed_depth_when_not_adaptive() -> None:
+    control = DepthControl(4, adaptive=False)
+    control.observe(_stats_after(0, 0, 0), _stats_after(5, 0, 20))
+    assert control.allowed == 4
+
+
+def test_pace_check_compares_committed_rate_with_a_plain_step() -> None:
+    pace = PaceCheck()
+    assert not pace.slower_than_plain(0, 10.0)  # nothing measured yet
+    pace.opened(1, 0.0)
+    pace.replied(1, 100.0)  # the shortest round trip: 100 ms, i.e. plain ~ 10 tokens/s
+    pace.opened(2, 100.0)
+    pace.replied(2, 250.0)
+    pace.forget([3])  # unknown windows are ignored
+    assert pace.shortest_round_trip_ms == 100.0
+    assert pace.slower_than_plain(2, 250.0)  # 8 tokens/s
+    assert not pace.slower_than_plain(5, 250.0)  # 20 tokens/s

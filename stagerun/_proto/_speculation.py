@@ -439,7 +439,9 @@ class SpeculationController:
         self._stats = self._stats.observe(verdict, proposed)
         if not self._adaptive or self._max_width == 0:
             return
-        if verdict.kind in (VerdictKind.FULL_ACCEPT, VerdictKind.TAIL_REJECT):
+        if verdict.kind is VerdictKind.FULL_ACCEPT:
+            self._width = min(self._width * 2, self._max_width)
+        elif verdict.kind is VerdictKind.TAIL_REJECT:
             self._width = min(self._width + 1, self._max_width)
         elif verdict.kind is VerdictKind.EARLY_REJECT:
             self._width = max(self._width - 1, 1)

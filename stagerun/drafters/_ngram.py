@@ -24,6 +24,7 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    blocking = False  # propose is a dictionary lookup: call it on the Trio thread
 
     def __init__(self, *, min_ngram: int = 2, max_ngram: int = 6, max_proposal: int = 16) -> None:
         if not 1 <= min_ngram <= max_ngram <= 64:

@@ -22,6 +22,7 @@ class OracleDrafter:
     """
 
     name = "oracle"
+    blocking = False
 
     def __init__(
         self, reference: Sequence[int], *, error_rate: float = 0.0, vocab_size: int, seed: int = 0
