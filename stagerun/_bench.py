@@ -102,13 +102,22 @@ async def bench_decode(args: argparse.Namespace) -> int:
 SPECULATIVE_PROMPTS = {
     "repeat": "Repeat the following text exactly, word for word: The lighthouse keeper climbed "
     "the one hundred and twelve stairs every evening, wound the clockwork, trimmed the wick and "
-    "lit the great lamp that warned the fishing boats away from the rocks.",
+    "lit the great lamp that warned the fishing boats away from the rocks. In winter the storms "
+    "came in from the west, and the waves broke so high against the tower that salt crusted the "
+    "windows of the lamp room. He kept a logbook of every ship that passed, every gale and every "
+    "night the fog horn sounded, and after forty years the logbooks filled a whole shelf in the "
+    "kitchen below.",
     "rewrite": "Rewrite this paragraph in the past tense, changing nothing else: I walk to the "
     "market every morning. I buy fresh bread and a bag of apples, and I talk with the baker "
-    "about the weather. Then I carry everything home along the river.",
-    "code-edit": "Add a docstring to this Python function and show the complete function:\n\n"
-    "def order_total(items, tax_rate):\n    total = 0\n    for item in items:\n"
-    "        total += item.price * item.quantity\n    total = total * (1 + tax_rate)\n"
+    "about the weather. Then I carry everything home along the river. The ducks follow me for a "
+    "while because they hope for crumbs, and I always give them the last piece of the loaf. At "
+    "home I make coffee, read the newspaper and write a letter to my sister, who lives by the "
+    "sea.",
+    "code-edit": "Rename the variable total to subtotal in this Python function and show the "
+    "complete function:\n\ndef order_total(items, tax_rate, discount):\n    total = 0\n"
+    "    for item in items:\n        if item.quantity <= 0:\n            continue\n"
+    "        total += item.price * item.quantity\n    if discount:\n"
+    "        total = total - discount\n    total = total * (1 + tax_rate)\n"
     "    return round(total, 2)\n",
 }
 

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--stages", type=int, default=3)
     spec.add_argument("--depth", type=int, default=4, help="the pipelined depth D (default 4)")
     spec.add_argument("--window", type=int, default=4, help="draft tokens per window")
-    spec.add_argument("--tokens", type=int, default=64, help="tokens generated per prompt")
+    spec.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
     spec.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
     spec.add_argument("--json", action="store_true")
     _add_pipeline_options(spec)
