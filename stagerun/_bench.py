@@ -8,12 +8,14 @@ baseline measured in the same run. The median of the rounds is reported.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 from contextlib import AsyncExitStack
 from typing import Any
 
+from ._errors import LaneError
 from ._launch import Mode, open_pipeline
 from ._pipeline import Pipeline
 from ._proto import SamplingParams
@@ -24,6 +26,8 @@ async def run_bench(args: argparse.Namespace) -> int:
         return await bench_decode(args)
     if args.bench_command == "speculative":
         return await bench_speculative(args)
+    if args.bench_command == "transport":
+        return await bench_transport(args)
     raise ValueError(f"unknown benchmark {args.bench_command!r}")
 
 
@@ -49,6 +53,9 @@ async def bench_decode(args: argparse.Namespace) -> int:
                     mode=mode,
                     threads=args.threads,
                     wire_dtype=args.wire_dtype,
+                    transport=args.transport,
+                    transports=args.transports,
+                    backend=args.backend,
                 )
             )
         for pipeline in pipelines.values():  # warm-up: caches, thread pools, lanes
@@ -153,6 +160,9 @@ async def bench_speculative(args: argparse.Namespace) -> int:
         mode=mode,
         threads=threads,
         hop_delay_ms=args.hop_delay_ms,
+        transport=args.transport,
+        transports=args.transports,
+        backend=args.backend,
     ) as pipeline:
         await pipeline.complete("Hello", max_tokens=4, sampling=greedy)
         for round_index in range(args.rounds):
@@ -218,4 +228,110 @@ async def bench_speculative(args: argparse.Namespace) -> int:
         for key, value in report["ratios"].items():
             print(f"{key:24s} {value:.3f}")
         print(f"identical output: {identical}")
+    return 0
+
+
+async def _echo(stream: Any, peer: str) -> None:
+    from ._framed import server_handshake
+
+    framed, _hello = await server_handshake(stream, peer=peer)
+    try:
+        while True:
+            frame = await framed.receive()
+            await framed.send(frame.message, frame.activations)
+    except LaneError:
+        pass
+    finally:
+        await framed.aclose_forcefully()
+
+
+async def frame_round_trip_us(name: str, iterations: int, d_model: int = 576) -> float:
+    """Median microseconds to send a one-token f32 decode frame and get it back, on loopback."""
+    import time
+
+    import numpy as np
+    import trio
+
+    from . import _proto, plugins
+    from ._framed import client_handshake
+
+    transport = plugins.transport(name)
+    activation = np.ones((1, d_model), np.float32)
+    message = _proto.Decode(request_id=1, position=0, tokens=(1,))
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(
+            functools.partial(transport.serve, transport.local_address("127.0.0.1"), _echo)
+        )
+        stream = await transport.connect(address, timeout=10)
+        framed = await client_handshake(
+            stream, peer=address, role=_proto.Role.LANE, ready_timeout=10
+        )
+        times = []
+        for i in range(iterations + 50):
+            start = time.perf_counter()
+            await framed.send(message, activation)
+            await framed.receive()
+            if i >= 50:  # warm-up
+                times.append(time.perf_counter() - start)
+        await framed.aclose_forcefully()
+        nursery.cancel_scope.cancel()
+    return statistics.median(times) * 1e6
+
+
+async def bench_transport(args: argparse.Namespace) -> int:
+    """Frame round trip per transport, and decode tokens/s over each, side by side."""
+    names: list[str] = list(args.transports_to_compare)
+    mode: Mode = "inproc" if args.inproc else "processes"
+    greedy = SamplingParams()
+    round_trip = {n: await frame_round_trip_us(n, args.iterations) for n in names}
+    for name, us in round_trip.items():
+        _say(args, f"{name}: one-token frame round trip {us:.1f} us")
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, list[int]] = {}
+    async with AsyncExitStack() as stack:
+        pipelines: dict[str, Pipeline] = {}
+        for name in names:
+            _say(args, f"starting a {args.stages}-stage pipeline over {name} ({mode})")
+            pipelines[name] = await stack.enter_async_context(
+                open_pipeline(
+                    args.model,
+                    stages=args.stages,
+                    mode=mode,
+                    threads=args.threads,
+                    transport=name,
+                )
+            )
+        for pipeline in pipelines.values():
+            await pipeline.complete(args.prompt, max_tokens=8, sampling=greedy, ignore_eog=True)
+        for round_index in range(args.rounds):
+            for name, pipeline in pipelines.items():
+                result = await pipeline.complete(
+                    args.prompt, max_tokens=args.tokens, sampling=greedy, ignore_eog=True
+                )
+                rate = result.timings["predicted_per_second"]
+                samples[name].append(rate)
+                outputs.setdefault(name, result.token_ids)
+                _say(args, f"round {round_index + 1} {name:6s} {rate:6.1f} tok/s")
+    rates = {n: statistics.median(v) for n, v in samples.items()}
+    base = names[0]
+    report = {
+        "benchmark": "transport",
+        "stages": args.stages,
+        "mode": mode,
+        "rounds": args.rounds,
+        "tokens": args.tokens,
+        "frame_round_trip_us": {n: round(v, 1) for n, v in round_trip.items()},
+        "tokens_per_second": {n: round(v, 2) for n, v in rates.items()},
+        "ratio_to_" + base: {n: round(rates[n] / rates[base], 3) for n in names},
+        "identical_tokens": all(o == outputs[base] for o in outputs.values()),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for name in names:
+            print(
+                f"{name:6s} round trip {round_trip[name]:8.1f} us   decode {rates[name]:6.2f} "
+                f"tokens/s   {rates[name] / rates[base]:.3f}x {base}"
+            )
+        print(f"identical tokens: {report['identical_tokens']}")
     return 0

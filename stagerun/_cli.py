@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -53,6 +54,30 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
         default="f32",
         help="activation dtype on lanes",
     )
+    _plugin_options(p)
+
+
+def _transport_list(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"transports {text!r} must look like ws,tcp")
+    return names
+
+
+def _plugin_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--transport",
+        default="tcp",
+        help="transport plugin of every lane between local stages (default tcp; see "
+        "`stagerun plugins`)",
+    )
+    p.add_argument(
+        "--transports",
+        type=_transport_list,
+        default=None,
+        help="one transport per hop instead, stage 0->1 first, e.g. ws,tcp",
+    )
+    p.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
 
 
 def _link_options(p: argparse.ArgumentParser) -> None:
@@ -70,9 +95,9 @@ def _link_options(p: argparse.ArgumentParser) -> None:
 def _speculation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
-        choices=["off", "ngram", "draft-model"],
         default="off",
-        help="speculative decoding drafter (default off)",
+        metavar="DRAFTER",
+        help="speculative decoding: off (default), ngram, draft-model or a drafter plugin",
     )
     p.add_argument("--depth", type=int, default=4, help="verify windows in flight (default 4)")
     p.add_argument("--window", type=int, default=4, help="draft tokens per window (default 4)")
@@ -127,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--index", type=int, default=1, help="this stage's index (>= 1)")
     stage.add_argument("--host", default="127.0.0.1")
     stage.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    stage.add_argument(
+        "--listen",
+        default=None,
+        help="address to serve on, e.g. ws://0.0.0.0:9001 (default tcp://HOST:PORT); the "
+        "scheme picks the transport plugin",
+    )
+    stage.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
     stage.add_argument("--downstream", default=None, help="address of the next stage")
     stage.add_argument("--threads", type=int, default=None)
     stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
@@ -155,6 +187,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the models stagerun can find by name")
 
+    transport = bench_sub.add_parser(
+        "transport", help="frame round trip and decode tokens/s per transport"
+    )
+    transport.add_argument(
+        "--compare",
+        dest="transports_to_compare",
+        type=_transport_list,
+        default=("tcp", "ws"),
+        help="transports to compare, the first is the baseline (default tcp,ws)",
+    )
+    transport.add_argument("--stages", type=int, default=3)
+    transport.add_argument("--tokens", type=int, default=64)
+    transport.add_argument("--rounds", type=int, default=5)
+    transport.add_argument("--iterations", type=int, default=2000, help="round trips timed")
+    transport.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
+    transport.add_argument("--json", action="store_true")
+    transport.add_argument("--model", default="smollm2")
+    transport.add_argument("--threads", type=int, default=None)
+    transport.add_argument("--inproc", action="store_true")
+
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API over a pipeline")
     serve.add_argument(
         "--model",
@@ -181,10 +233,18 @@ def build_parser() -> argparse.ArgumentParser:
     _speculation_options(serve)
     _link_options(serve)
     serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
+    _plugin_options(serve)
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
         "(default: $STAGERUN_API_KEY)"
     )  # fmt: skip
+    plugins_cmd = sub.add_parser(
+        "plugins", help="list installed transports, backends and drafters, and broken ones"
+    )
+    plugins_cmd.add_argument("--json", action="store_true")
+    plugins_cmd.add_argument(
+        "--load", action="store_true", help="import and validate every plugin now"
+    )
     return parser
 
 
@@ -216,6 +276,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return trio.run(run_bench, args)
     if args.command == "models":
         return _models()
+    if args.command == "plugins":
+        return _plugins(args)
     if args.command == "serve":
         from .server._serve import serve_main
 
@@ -241,6 +303,9 @@ async def _generate(args: argparse.Namespace) -> int:
         mode="inproc" if args.inproc else "processes",
         threads=args.threads,
         wire_dtype=args.wire_dtype,
+        transport=args.transport,
+        transports=args.transports,
+        backend=args.backend,
         hop_delay_ms=args.hop_delay_ms,
         bandwidth_mbps=args.bandwidth_mbps,
         speculation=speculation_from_args(args),
@@ -283,18 +348,22 @@ async def _generate(args: argparse.Namespace) -> int:
 
 
 async def _stage(args: argparse.Namespace) -> int:
+    from . import plugins
     from ._stage import serve_stage
-    from .backends import NumpyBackend
+    from .model import open_model
+    from .transports import format_address
 
-    backend = NumpyBackend(args.model, args.layers, threads=args.threads)
+    backend = plugins.backend(args.backend)(
+        open_model(args.model), args.layers, threads=args.threads
+    )
+    listen = args.listen or format_address("tcp", args.host, args.port)
     async with trio.open_nursery() as nursery:
         address = await nursery.start(
             lambda task_status: serve_stage(
                 backend,
                 index=args.index,
                 downstream=args.downstream,
-                host=args.host,
-                port=args.port,
+                listen=listen,
                 wire_dtype=args.wire_dtype,
                 link=LinkEmulation(
                     delay_s=args.hop_delay_ms / 1000.0,
@@ -311,6 +380,35 @@ async def _stage(args: argparse.Namespace) -> int:
             f"stagerun: stage {args.index} (layers {lo}..{hi}) ready at {address}", file=sys.stderr
         )
     return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from . import plugins
+
+    infos = plugins.installed()
+    if args.load:
+        loaders = {"transports": plugins.transport, "backends": plugins.backend,
+                   "drafters": plugins.drafter}  # fmt: skip
+        for info in infos:
+            if info.status == "available":
+                with contextlib.suppress(plugins.PluginError):
+                    loaders[info.kind](info.name)
+    if args.json:
+        rows = [
+            {"kind": i.kind, "name": i.name, "value": i.value, "distribution": i.distribution,
+             "status": i.status, "problem": i.problem}
+            for i in infos
+        ]  # fmt: skip
+        print(json.dumps(rows, indent=2))
+        return 1 if any(i.status == "broken" for i in infos) else 0
+    for kind in plugins.GROUPS:
+        print(f"{kind}:")
+        for info in (i for i in infos if i.kind == kind):
+            line = f"  {info.name:12s} {info.value:45s} {info.distribution}  [{info.status}]"
+            print(line)
+            if info.problem:
+                print(f"      {info.problem}")
+    return 1 if any(i.status == "broken" for i in infos) else 0
 
 
 def _models() -> int:

@@ -35,6 +35,25 @@ from ._errors import (
 _RECEIVE_SIZE = 1 << 18
 
 
+def socket_is_idle(sock: Any) -> bool:
+    """True when a connected socket has no byte waiting and is not at EOF (a non-blocking peek)."""
+    try:
+        probe = socket.fromfd(sock.fileno(), sock.family, sock.type)
+    except OSError:
+        return False
+    try:
+        probe.setblocking(False)
+        try:
+            probe.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError as exc:
+            return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+        return False  # EOF (b"") or stale bytes
+    finally:
+        probe.close()
+
+
 @attrs.frozen
 class LinkEmulation:
     """A WAN link emulated on loopback: each frame is delivered ``delay_s`` after it arrived,
@@ -183,29 +202,19 @@ class FrameStream:
     def is_live(self) -> bool:
         """Probe an idle stream without consuming anything.
 
-        A stream is dead if it is broken, has undelivered bytes, or its socket reports EOF or
-        any readable byte (an idle lane must have nothing unsolicited waiting).
+        A stream is dead if it is broken or has undelivered bytes; then the transport's stream
+        decides (its ``is_live()``, or a peek at its ``socket``: EOF or any readable byte
+        means dead, since an idle lane must have nothing unsolicited waiting).
         """
         if self.broken or self._decoder.pending_bytes or self._ready is not None:
             return False
+        probe = getattr(self.stream, "is_live", None)
+        if callable(probe):
+            return bool(probe())
         sock = getattr(self.stream, "socket", None)
         if sock is None:
             return True
-        try:
-            probe = socket.fromfd(sock.fileno(), sock.family, sock.type)
-        except OSError:
-            return False
-        try:
-            probe.setblocking(False)
-            try:
-                probe.recv(1, socket.MSG_PEEK)
-            except BlockingIOError:
-                return True
-            except OSError as exc:
-                return exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
-            return False  # EOF (b"") or stale bytes
-        finally:
-            probe.close()
+        return socket_is_idle(sock)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -34,11 +34,10 @@ from typing import Any
 import numpy as np
 import trio
 
-from . import _proto
+from . import _proto, plugins
 from ._errors import LaneBrokenError, LaneError, LaneTimeoutError, StageError
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, client_handshake
 from ._proto._prefill import PrefillTransportEstimate
-from .transports import TcpTransport, parse_address
 
 log = logging.getLogger("stagerun.lanes")
 
@@ -72,8 +71,7 @@ async def open_connection(
     link: LinkEmulation = NO_EMULATION,
 ) -> FrameStream:
     """Connect to a stage and complete the handshake."""
-    _scheme, host, port = parse_address(address)
-    stream = await TcpTransport().connect(host, port, timeout=connect_timeout)
+    stream = await plugins.transport_for(address).connect(address, timeout=connect_timeout)
     try:
         return await client_handshake(
             stream, peer=address, role=role, key=key, ready_timeout=ready_timeout, link=link

@@ -19,7 +19,7 @@ from typing import Literal
 
 import trio
 
-from . import _proto
+from . import _proto, plugins
 from ._errors import StageError
 from ._framed import LinkEmulation
 from ._lanes import LanePool
@@ -27,7 +27,6 @@ from ._pipeline import DEFAULT_PREFILL_CHUNK, Pipeline, StageInfo
 from ._speculative import SpeculationConfig
 from ._stage import serve_stage
 from ._util import single_exceptions
-from .backends import NumpyBackend
 from .model import ModelFile, open_model
 
 Mode = Literal["inproc", "processes"]
@@ -79,6 +78,9 @@ async def open_pipeline(
     hop_delay_ms: float = 0.0,
     bandwidth_mbps: float | None = None,
     speculation: SpeculationConfig | None = None,
+    transport: str = "tcp",
+    transports: Sequence[str] | None = None,
+    backend: str = "numpy",
 ) -> AsyncIterator[Pipeline]:
     """Start (or join) a pipeline and yield a `Pipeline` to run requests on.
 
@@ -98,6 +100,11 @@ async def open_pipeline(
             later (stages started here and stage 0 alike; remote stages set their own).
         bandwidth_mbps: with ``hop_delay_ms``, also cap each link's bandwidth.
         speculation: speculative decoding settings (drafter, depth, window); off by default.
+        transport: the transport plugin of every lane between stages started here (``tcp``,
+            ``ws``, or an installed plugin's name).
+        transports: one transport per hop instead (stage 0 to 1 first); the last stage's
+            transport also carries the returns to stage 0.
+        backend: the compute backend plugin of every stage started here (``numpy``, ...).
     """
     if hop_delay_ms < 0:
         raise ValueError(f"hop_delay_ms must not be negative, got {hop_delay_ms}")
@@ -115,8 +122,16 @@ async def open_pipeline(
         raise ValueError(
             f"{len(ranges)} stages need {len(ranges) - 1} remote addresses, got {len(remote)}"
         )
+    if transports is not None and len(transports) != len(ranges) - 1:
+        raise ValueError(
+            f"{len(ranges)} stages have {len(ranges) - 1} hops, but {len(transports)} "
+            f"transports were given ({', '.join(transports)})"
+        )
+    hop_transports = list(transports) if transports is not None else [transport] * (len(ranges) - 1)
+    listen = [plugins.transport(name).local_address(host) for name in hop_transports]
+    backend_cls = plugins.backend(backend)
     backend0 = await trio.to_thread.run_sync(
-        lambda: NumpyBackend(model_file, ranges[0], threads=threads)
+        lambda: backend_cls(model_file, ranges[0], threads=threads)
     )
     with single_exceptions():
         async with trio.open_nursery() as nursery:
@@ -130,17 +145,17 @@ async def open_pipeline(
                 started: list[StageInfo] = []
                 for index in range(len(ranges) - 1, 0, -1):
                     if mode == "inproc":
-                        backend = await trio.to_thread.run_sync(
+                        stage_backend = await trio.to_thread.run_sync(
                             functools.partial(
-                                NumpyBackend, model_file, ranges[index], threads=threads
+                                backend_cls, model_file, ranges[index], threads=threads
                             )
                         )
                         address = await nursery.start(
-                            lambda task_status, b=backend, i=index, d=downstream: serve_stage(
+                            lambda task_status, b=stage_backend, i=index, d=downstream: serve_stage(
                                 b,
                                 index=i,
                                 downstream=d,
-                                host=host,
+                                listen=listen[i - 1],
                                 wire_dtype=wire_dtype,
                                 link=link,
                                 task_status=task_status,
@@ -156,7 +171,8 @@ async def open_pipeline(
                             downstream,
                             threads,
                             wire_dtype,
-                            host,
+                            listen[index - 1],
+                            backend,
                             link,
                         )
                         started.append(StageInfo(index, ranges[index], address, pid))
@@ -209,7 +225,8 @@ async def _spawn_stage(
     downstream: str | None,
     threads: int | None,
     wire_dtype: str,
-    host: str,
+    listen: str,
+    backend: str,
     link: LinkEmulation,
 ) -> tuple[str, int]:
     cmd = [
@@ -217,7 +234,8 @@ async def _spawn_stage(
         "--model", str(model.path),
         "--layers", f"{layers[0]}:{layers[1]}",
         "--index", str(index),
-        "--host", host, "--port", "0",
+        "--listen", listen,
+        "--backend", backend,
         "--wire-dtype", wire_dtype,
     ]  # fmt: skip
     if downstream is not None:

@@ -22,15 +22,14 @@ import attrs
 import numpy as np
 import trio
 
-from . import _proto
+from . import _proto, plugins
 from ._errors import LaneError
 from ._lanes import Lane, LanePool, open_connection
 from ._sampling import sample_token
 from ._speculative import Drafter, SpeculationConfig, decode_speculative
 from ._text import TextAssembler
 from ._util import single_exceptions
-from .backends import NumpyBackend
-from .drafters import DraftModelDrafter, NgramDrafter
+from .abc import ComputeBackend
 from .model import ModelFile
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -93,13 +92,21 @@ class StageHealth:
         return out
 
 
+@attrs.frozen
+class DrafterContext:
+    """What a drafter plugin is built from (`stagerun.abc.DrafterOptions`)."""
+
+    target: ModelFile
+    draft_model: str | None = None
+
+
 class Pipeline:
     """A running pipeline; use `open_pipeline` to get one."""
 
     def __init__(
         self,
         model: ModelFile,
-        backend0: NumpyBackend,
+        backend0: ComputeBackend,
         stages: list[StageInfo],
         pool: LanePool | None,
         *,
@@ -117,7 +124,7 @@ class Pipeline:
         self.prefill_chunk = prefill_chunk
         self._backend0 = backend0
         self._compute_lock = trio.Lock()
-        self._draft_models: dict[str, DraftModelDrafter] = {}
+        self._shared_drafters: dict[tuple[str, str | None], Drafter] = {}
 
     def __repr__(self) -> str:
         layout = ",".join(f"{lo}-{hi}" for lo, hi in (s.layers for s in self.stages))
@@ -385,18 +392,18 @@ class Pipeline:
         )
 
     def _make_drafter(self, config: SpeculationConfig) -> Drafter:
-        if config.drafter == "ngram":
-            return NgramDrafter(min_ngram=1)  # per request: it indexes the request's own history
-        if config.drafter == "draft-model":
-            assert config.draft_model is not None
-            drafter = self._draft_models.get(config.draft_model)
-            if drafter is None:  # loading a model takes seconds: one per pipeline, shared
-                drafter = DraftModelDrafter(
-                    config.draft_model, target_vocab_size=self.config.vocab_size
-                )
-                self._draft_models[config.draft_model] = drafter
-            return drafter
-        raise ValueError(f"no drafter for {config.drafter!r}")
+        cls = plugins.drafter(config.drafter)
+        options = DrafterContext(self.model, config.draft_model)
+        create = getattr(cls, "create", None)
+        if getattr(cls, "per_request", True):
+            made: Drafter = create(options) if create is not None else cls()
+            return made
+        key = (config.drafter, config.draft_model)
+        drafter = self._shared_drafters.get(key)
+        if drafter is None:  # shared by the pipeline's requests (a model takes seconds to load)
+            drafter = create(options) if create is not None else cls()
+            self._shared_drafters[key] = drafter
+        return drafter
 
     async def _first_token(
         self,

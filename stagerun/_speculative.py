@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from . import _proto
+from . import _proto, plugins
 from ._lanes import Lane
 from ._proto import (
     Commit,
@@ -42,11 +42,9 @@ from ._proto import (
 from ._sampling import sample_rows
 from ._util import single_exceptions
 
-DRAFTERS = ("off", "ngram", "draft-model")
-
 
 class Drafter(Protocol):
-    """Proposes draft tokens (see ``stagerun.drafters``).
+    """Proposes draft tokens (see `stagerun.abc.Drafter`, which plugins implement).
 
     A drafter whose ``propose`` is fast may set ``blocking = False`` to be called on the Trio
     thread; otherwise it runs in a worker thread.
@@ -64,7 +62,8 @@ class SpeculationConfig:
     """How a pipeline speculates.
 
     Attributes:
-        drafter: ``off``, ``ngram`` (prompt lookup) or ``draft-model``.
+        drafter: ``off``, or a drafter plugin: ``ngram`` (prompt lookup), ``draft-model``, or
+            an installed plugin's name.
         depth: verify windows kept in flight per request (1 = serial).
         window: draft tokens per window at most.
         adaptive: let the window width follow acceptance, and stop drafting for a request
@@ -79,10 +78,9 @@ class SpeculationConfig:
     draft_model: str | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.drafter not in DRAFTERS:
-            raise ValueError(
-                f"unknown drafter {self.drafter!r}; choose one of {', '.join(DRAFTERS)}"
-            )
+        if self.drafter != "off" and self.drafter not in plugins.names("drafters"):
+            choices = ", ".join(["off", *plugins.names("drafters")])
+            raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {choices}")
         if not 1 <= self.depth <= _proto.MAX_VERIFY_WINDOW_DEPTH:
             raise ValueError(
                 f"depth must be within 1..{_proto.MAX_VERIFY_WINDOW_DEPTH}, got {self.depth}"

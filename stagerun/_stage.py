@@ -19,6 +19,7 @@ reaches stage 0 at once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -28,12 +29,11 @@ import attrs
 import numpy as np
 import trio
 
-from . import _proto
+from . import _proto, plugins
 from ._errors import ComputeCancelled, LaneError, LaneHandshakeError, StageError, StagerunError
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, server_handshake
 from ._lanes import open_connection, stage_reply_timeout
 from ._sampling import sample_rows
-from .transports import TcpTransport, parse_address
 
 log = logging.getLogger("stagerun.stage")
 
@@ -139,18 +139,20 @@ class StageServer:
 
     async def serve(
         self,
-        host: str = "127.0.0.1",
-        port: int = 0,
+        address: str = "tcp://127.0.0.1:0",
         *,
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen and serve until cancelled; reports the bound address when listening."""
-        if self.downstream is not None:
-            parse_address(self.downstream)  # fail early on a malformed address
+        """Listen on ``address`` and serve until cancelled; reports the bound address.
 
+        The address's scheme picks the transport plugin (``tcp://``, ``ws://``, ...).
+        """
+        if self.downstream is not None:
+            plugins.transport_for(self.downstream)  # fail early on an address nobody serves
+        transport = plugins.transport_for(address)
         async with trio.open_nursery() as nursery:
             self.address = await nursery.start(
-                TcpTransport().serve, self._on_connection, host, port
+                functools.partial(transport.serve, address, self._on_connection)
             )
             log.info(
                 "stage %d serving layers %s on %s", self.index, self.backend.layers, self.address
@@ -494,14 +496,16 @@ async def serve_stage(
     *,
     index: int,
     downstream: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
+    listen: str = "tcp://127.0.0.1:0",
     wire_dtype: _proto.ActivationDType = "f32",
     link: LinkEmulation = NO_EMULATION,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve one stage until cancelled; ``await nursery.start(serve_stage, ...)`` gives its address."""
+    """Serve one stage on ``listen`` until cancelled.
+
+    ``await nursery.start(serve_stage, ...)`` gives the address it really listens on.
+    """
     server = StageServer(
         backend, index=index, downstream=downstream, wire_dtype=wire_dtype, link=link
     )
-    await server.serve(host, port, task_status=task_status)
+    await server.serve(listen, task_status=task_status)

@@ -57,7 +57,7 @@ class FakeStage:
 
 async def start_fake(nursery: trio.Nursery, behaviour: str = "ack") -> FakeStage:
     fake = FakeStage(behaviour)
-    fake.address = await nursery.start(TcpTransport().serve, fake.handle, "127.0.0.1", 0)
+    fake.address = await nursery.start(TcpTransport().serve, "tcp://127.0.0.1:0", fake.handle)
     return fake
 
 

@@ -17,14 +17,22 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..abc import Drafter, DrafterOptions
 from ..backends import NumpyBackend
 from ..model import ModelFile, open_model
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Greedy drafts from a GGUF model that shares the target's vocabulary."""
 
     name = "draft-model"
+    per_request = False  # loading a model takes seconds: one per pipeline, shared
+
+    @classmethod
+    def create(cls, options: DrafterOptions) -> DraftModelDrafter:
+        if not options.draft_model:
+            raise ValueError("the draft-model drafter needs a draft model (--draft-model)")
+        return cls(options.draft_model, target_vocab_size=options.target.config.vocab_size)
 
     def __init__(
         self,

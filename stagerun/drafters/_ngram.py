@@ -4,7 +4,9 @@ Theory of operation: rewriting, quoting and editing reuse long runs of the promp
 indexes every n-gram (``min_ngram <= n <= max_ngram``) of the request's committed history by
 the position just after its most recent occurrence. To propose, it takes the longest suffix of
 the query context that occurs earlier and returns the tokens that followed that occurrence.
-Longer matches win; among equal lengths the most recent occurrence wins. Only committed tokens
+Longer matches win; among equal lengths the most recent occurrence wins. Matches of one token
+are allowed by default: right after a divergence the target's correction rarely continues a
+longer n-gram, and a one-token match resynchronises a copy at once. Only committed tokens
 are indexed: the optimistic drafts of windows still in flight may be part of a query, never of
 the index, so a wrong guess cannot feed itself.
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..abc import Drafter
 
-class NgramDrafter:
+
+class NgramDrafter(Drafter):
     """Longest-suffix prompt lookup over one request's committed history.
 
     Args:
@@ -25,8 +29,9 @@ class NgramDrafter:
 
     name = "ngram"
     blocking = False  # propose is a dictionary lookup: call it on the Trio thread
+    per_request = True  # it indexes the request's own history
 
-    def __init__(self, *, min_ngram: int = 2, max_ngram: int = 6, max_proposal: int = 16) -> None:
+    def __init__(self, *, min_ngram: int = 1, max_ngram: int = 6, max_proposal: int = 16) -> None:
         if not 1 <= min_ngram <= max_ngram <= 64:
             raise ValueError(
                 f"ngram sizes must satisfy 1 <= min_ngram <= max_ngram <= 64, "

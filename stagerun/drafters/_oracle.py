@@ -11,8 +11,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
+from ..abc import Drafter, DrafterOptions
 
-class OracleDrafter:
+
+class OracleDrafter(Drafter):
     """Proposes ``reference[len(context):]`` with a deterministic error rate.
 
     Args:
@@ -23,6 +25,13 @@ class OracleDrafter:
 
     name = "oracle"
     blocking = False
+
+    @classmethod
+    def create(cls, options: DrafterOptions) -> OracleDrafter:
+        raise ValueError(
+            "the oracle drafter needs the target's reference tokens: construct "
+            "OracleDrafter(reference, error_rate=..., vocab_size=...) and pass it as drafter="
+        )
 
     def __init__(
         self, reference: Sequence[int], *, error_rate: float = 0.0, vocab_size: int, seed: int = 0

@@ -58,6 +58,9 @@ class ServeOptions:
     speculation: SpeculationConfig | None = None
     hop_delay_ms: float = 0.0
     bandwidth_mbps: float | None = None
+    transport: str = "tcp"
+    transports: tuple[str, ...] | None = None
+    backend: str = "numpy"
 
 
 def served_model_id(model: str) -> str:
@@ -149,6 +152,9 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                 speculation=options.speculation,
                 hop_delay_ms=options.hop_delay_ms,
                 bandwidth_mbps=options.bandwidth_mbps,
+                transport=options.transport,
+                transports=options.transports,
+                backend=options.backend,
             ) as pipeline:
                 app: Any = create_app(
                     pipeline,
@@ -210,6 +216,9 @@ def options_from_args(args: object) -> ServeOptions:
         speculation=speculation_from_args(args),  # type: ignore[arg-type]
         hop_delay_ms=get("hop_delay_ms", 0.0),
         bandwidth_mbps=get("bandwidth_mbps", None),
+        transport=get("transport", "tcp"),
+        transports=get("transports", None),
+        backend=get("backend", "numpy"),
     )
 
 

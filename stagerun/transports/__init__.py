@@ -1,7 +1,8 @@
-"""Transports that carry stagerun lanes."""
+"""Transports that carry stagerun lanes (plugins; see `stagerun.abc.Transport`)."""
 
 from ._tcp import TcpTransport as TcpTransport
 from ._tcp import format_address as format_address
 from ._tcp import parse_address as parse_address
+from ._websocket import WebSocketTransport as WebSocketTransport
 
-__all__ = ["TcpTransport", "format_address", "parse_address"]
+__all__ = ["TcpTransport", "WebSocketTransport", "format_address", "parse_address"]

@@ -8,18 +8,19 @@ it really bound (port 0 picks a free port) through ``task_status.started``.
 from __future__ import annotations
 
 import socket
-from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import ClassVar
 
 import trio
 
 from .._errors import LaneHandshakeError
-
-Handler = Callable[[trio.abc.Stream, str], Awaitable[None]]
+from ..abc import ConnectionHandler, Transport
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
     """Split ``scheme://host:port`` (scheme optional, default tcp) into its parts.
+
+    Transports whose addresses are a host and a port (tcp, ws) share this parser.
 
     Raises:
         ValueError: the address has no port or an unknown shape.
@@ -29,7 +30,7 @@ def parse_address(address: str) -> tuple[str, str, int]:
         scheme, rest = "tcp", address
     host, colon, port_text = rest.rpartition(":")
     if not colon or not port_text.isdigit():
-        raise ValueError(f"stage address {address!r} must look like tcp://HOST:PORT")
+        raise ValueError(f"stage address {address!r} must look like {scheme}://HOST:PORT")
     host = host.strip("[]") or "127.0.0.1"
     port = int(port_text)
     if not 0 <= port <= 65535:
@@ -43,14 +44,18 @@ def format_address(scheme: str, host: str, port: int) -> str:
     return f"{scheme}://{host}:{port}"
 
 
-class TcpTransport:
-    """Lanes over raw TCP."""
+class TcpTransport(Transport):
+    """Lanes over raw TCP: ``tcp://HOST:PORT``."""
 
-    scheme = "tcp"
+    schemes: ClassVar[tuple[str, ...]] = ("tcp",)
 
-    async def connect(self, host: str, port: int, *, timeout: float) -> trio.abc.Stream:
+    def __repr__(self) -> str:
+        return "<TcpTransport>"
+
+    async def connect(self, address: str, *, timeout: float) -> trio.abc.Stream:
         """Open a connection within ``timeout`` seconds."""
-        where = format_address(self.scheme, host, port)
+        _scheme, host, port = parse_address(address)
+        where = format_address("tcp", host, port)
         try:
             with trio.fail_after(timeout):
                 stream = await trio.open_tcp_stream(host, port)
@@ -65,18 +70,18 @@ class TcpTransport:
 
     async def serve(
         self,
-        handler: Handler,
-        host: str,
-        port: int,
+        address: str,
+        handler: ConnectionHandler,
         *,
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Accept connections forever; each one runs ``handler(stream, peer)`` in its own task."""
+        _scheme, host, port = parse_address(address)
 
         async def handle(stream: trio.SocketStream) -> None:
             try:
                 peer_host, peer_port = stream.socket.getpeername()[:2]
-                peer = format_address(self.scheme, peer_host, peer_port)
+                peer = format_address("tcp", peer_host, peer_port)
             except OSError:
                 peer = "tcp://<unknown>"
             await handler(stream, peer)
@@ -85,4 +90,4 @@ class TcpTransport:
         bound_host, bound_port = listeners[0].socket.getsockname()[:2]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(trio.serve_listeners, handle, listeners))
-            task_status.started(format_address(self.scheme, bound_host, bound_port))
+            task_status.started(format_address("tcp", bound_host, bound_port))

@@ -1,0 +1,332 @@
+"""The plugin registry: transports, compute backends and drafters found through entry points.
+
+Theory of operation: every plugin, stagerun's own included, is an entry point of an installed
+distribution in one of three groups: ``stagerun.transports``, ``stagerun.backends`` and
+``stagerun.drafters``. The registry lists them once per process (`installed`) without
+importing anything; a plugin is imported the first time it is asked for, then validated
+against its interface in `stagerun.abc` (the members it must have, coroutine or plain
+functions as required, and the parameters stagerun passes). Whatever goes wrong, an import
+error, a missing method, two distributions claiming one name, becomes a `PluginError` that
+names the plugin, its distribution and the problem, raised when that plugin is asked for and
+listed by ``stagerun plugins``; other plugins keep working.
+
+``STAGERUN_PLUGINS`` restricts what is available: a comma-separated list whose items are plugin
+names (``ws``), group-qualified names (``transports:ws``) or distribution names
+(``stagerun-unix``). Unset or empty means everything installed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, TypeAlias
+
+import attrs
+
+from ._errors import StagerunError
+
+__all__ = [
+    "GROUPS",
+    "PluginError",
+    "PluginInfo",
+    "backend",
+    "drafter",
+    "installed",
+    "names",
+    "refresh",
+    "transport",
+    "transport_for",
+]
+
+Kind: TypeAlias = Literal["transports", "backends", "drafters"]
+GROUPS: dict[Kind, str] = {
+    "transports": "stagerun.transports",
+    "backends": "stagerun.backends",
+    "drafters": "stagerun.drafters",
+}
+_SINGULAR = {"transports": "transport", "backends": "backend", "drafters": "drafter"}
+ENV = "STAGERUN_PLUGINS"
+
+
+class PluginError(StagerunError):
+    """A plugin could not be found, loaded or validated."""
+
+
+@attrs.define
+class PluginInfo:
+    """One registered plugin and what became of it.
+
+    Attributes:
+        kind: ``transports``, ``backends`` or ``drafters``.
+        name: the entry point's name, the name users choose it by.
+        value: ``module:attribute`` as registered.
+        distribution: the distribution (package) that registered it, with its version.
+        status: ``available`` (not imported yet), ``loaded``, ``broken`` or ``filtered``
+            (left out by ``STAGERUN_PLUGINS``).
+        problem: why it is broken.
+    """
+
+    kind: Kind
+    name: str
+    value: str
+    distribution: str
+    status: Literal["available", "loaded", "broken", "filtered"] = "available"
+    problem: str | None = None
+    obj: Any = attrs.field(default=None, repr=False)
+    _entry_point: importlib.metadata.EntryPoint | None = attrs.field(default=None, repr=False)
+
+    def describe(self) -> str:
+        return (
+            f"{_SINGULAR[self.kind]} plugin {self.name!r} ({self.value}, from {self.distribution})"
+        )
+
+
+_registry: dict[Kind, dict[str, PluginInfo]] | None = None
+
+
+def refresh() -> None:
+    """Forget what was discovered and loaded (after installing a plugin, or in tests)."""
+    global _registry
+    _registry = None
+
+
+def _allowed(info: PluginInfo, allow: set[str] | None) -> bool:
+    if allow is None:
+        return True
+    dist = info.distribution.rsplit(" ", 1)[0].lower()
+    return bool(
+        {info.name, f"{info.kind}:{info.name}", f"{_SINGULAR[info.kind]}:{info.name}", dist} & allow
+    )
+
+
+def _discover() -> dict[Kind, dict[str, PluginInfo]]:
+    global _registry
+    if _registry is not None:
+        return _registry
+    spec = os.environ.get(ENV, "").strip()
+    allow = {item.strip().lower() for item in spec.split(",") if item.strip()} if spec else None
+    registry: dict[Kind, dict[str, PluginInfo]] = {}
+    for kind, group in GROUPS.items():
+        found: dict[str, list[PluginInfo]] = {}
+        for ep in importlib.metadata.entry_points(group=group):
+            dist = ep.dist
+            where = f"{dist.name} {dist.version}" if dist is not None else "an unknown distribution"
+            info = PluginInfo(kind, ep.name, ep.value, where, entry_point=ep)
+            same = found.setdefault(ep.name, [])
+            # One distribution seen twice (two path entries for one install) is one plugin.
+            if not any(o.distribution == info.distribution and o.value == info.value for o in same):
+                same.append(info)
+        plugins: dict[str, PluginInfo] = {}
+        for name, infos in sorted(found.items()):
+            infos.sort(key=lambda i: i.distribution)
+            info = infos[0]
+            if len(infos) > 1:
+                claims = " and ".join(f"{i.distribution} ({i.value})" for i in infos)
+                info.status = "broken"
+                info.problem = f"the name {name!r} is registered by {claims}; uninstall one"
+                info.distribution = ", ".join(i.distribution for i in infos)
+            if not _allowed(info, allow):
+                info.status = "filtered"
+                info.problem = f"not listed in {ENV}={spec!r}"
+            plugins[name] = info
+        registry[kind] = plugins
+    _registry = registry
+    return registry
+
+
+def installed(kind: Kind | None = None) -> list[PluginInfo]:
+    """Every registered plugin (of one kind), with its status; imports nothing."""
+    registry = _discover()
+    kinds: Iterable[Kind] = (kind,) if kind is not None else GROUPS
+    return [info for k in kinds for info in registry[k].values()]
+
+
+def names(kind: Kind) -> list[str]:
+    """The names of the plugins of ``kind`` that may be loaded (not broken, not filtered)."""
+    return [i.name for i in installed(kind) if i.status in ("available", "loaded")]
+
+
+def _load(kind: Kind, name: str) -> PluginInfo:
+    plugins = _discover()[kind]
+    info = plugins.get(name)
+    if info is None:
+        choices = ", ".join(names(kind)) or "none"
+        raise PluginError(f"no {_SINGULAR[kind]} plugin named {name!r}; available: {choices}")
+    if info.status in ("broken", "filtered"):
+        raise PluginError(f"{info.describe()} is unusable: {info.problem}")
+    if info.status == "loaded":
+        return info
+    assert info._entry_point is not None
+    try:
+        obj = info._entry_point.load()
+    except Exception as exc:
+        info.status = "broken"
+        info.problem = f"importing it failed: {type(exc).__name__}: {exc}"
+        raise PluginError(f"{info.describe()} is unusable: {info.problem}") from exc
+    problems = _VALIDATORS[kind](obj)
+    if problems:
+        info.status = "broken"
+        info.problem = "; ".join(problems)
+        raise PluginError(f"{info.describe()} is unusable: {info.problem}")
+    info.status = "loaded"
+    info.obj = obj
+    return info
+
+
+def transport(name: str) -> Any:
+    """A new instance of the transport plugin ``name`` (``tcp``, ``ws``, ...)."""
+    return _load("transports", name).obj()
+
+
+def transport_for(address: str) -> Any:
+    """A new instance of the transport that serves ``address``'s scheme (``tcp`` if none)."""
+    scheme, sep, _rest = address.partition("://")
+    scheme = scheme if sep else "tcp"
+    candidates = []
+    for info in installed("transports"):
+        if info.status not in ("available", "loaded"):
+            continue
+        try:
+            cls = _load("transports", info.name).obj
+        except PluginError:
+            continue
+        if scheme in cls.schemes:
+            candidates.append(cls)
+    if not candidates:
+        known = sorted(
+            {s for i in installed("transports") if i.obj is not None for s in i.obj.schemes}
+        )
+        raise PluginError(
+            f"no transport plugin serves {scheme}:// addresses (as in {address!r}); "
+            f"installed schemes: {', '.join(known) or 'none'}"
+        )
+    return candidates[0]()
+
+
+def backend(name: str) -> Any:
+    """The backend class registered as ``name`` (``numpy``, ...)."""
+    return _load("backends", name).obj
+
+
+def drafter(name: str) -> Any:
+    """The drafter class registered as ``name`` (``ngram``, ``draft-model``, ...)."""
+    return _load("drafters", name).obj
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter] | None:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_method(
+    cls: type,
+    name: str,
+    *,
+    coroutine: bool,
+    positional: tuple[str, ...] = (),
+    keywords: tuple[str, ...] = (),
+) -> list[str]:
+    fn = inspect.getattr_static(cls, name, None)
+    if fn is None:
+        return [f"it has no {name}()"]
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    if not callable(fn):
+        return [f"its {name} is not a method"]
+    if getattr(fn, "__isabstractmethod__", False):
+        return [f"its {name}() is abstract (not implemented)"]
+    if inspect.iscoroutinefunction(fn) != coroutine:
+        kind = "an async def" if coroutine else "a plain (blocking) def"
+        return [f"its {name}() must be {kind}"]
+    params = _parameters(fn)
+    if params is None:
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    problems = []
+    ordered = [p for p in params.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    var_positional = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in ordered)
+    if not var_positional and len(ordered) < 1 + len(positional):
+        problems.append(
+            f"its {name}() takes too few arguments (stagerun passes {', '.join(positional)})"
+        )
+    for keyword in keywords:
+        p = params.get(keyword)
+        if p is None or p.kind is inspect.Parameter.POSITIONAL_ONLY:
+            problems.append(f"its {name}() lacks the keyword parameter {keyword!r}")
+    return problems
+
+
+def _class_problems(obj: Any) -> list[str]:
+    if not inspect.isclass(obj):
+        return [f"it is a {type(obj).__name__}, not a class"]
+    abstract = sorted(getattr(obj, "__abstractmethods__", ()))
+    if abstract:
+        return [f"it leaves abstract methods unimplemented: {', '.join(abstract)}"]
+    return []
+
+
+def _validate_transport(obj: Any) -> list[str]:
+    problems = _class_problems(obj)
+    if problems:
+        return problems
+    schemes = getattr(obj, "schemes", None)
+    if not (
+        isinstance(schemes, tuple) and schemes and all(isinstance(s, str) and s for s in schemes)
+    ):
+        problems.append("its schemes must be a non-empty tuple of strings, like ('tcp',)")
+    problems += _check_method(
+        obj, "connect", coroutine=True, positional=("address",), keywords=("timeout",)
+    )
+    problems += _check_method(
+        obj, "serve", coroutine=True, positional=("address", "handler"), keywords=("task_status",)
+    )
+    return problems
+
+
+def _validate_backend(obj: Any) -> list[str]:
+    problems = _class_problems(obj)
+    if problems:
+        return problems
+    problems += _check_method(
+        obj, "__init__", coroutine=False, positional=("model", "layers"), keywords=("threads",)
+    )
+    for prop in ("layers", "is_first", "is_last"):
+        if inspect.getattr_static(obj, prop, None) is None:
+            problems.append(f"it has no {prop} property")
+    problems += _check_method(obj, "new_cache", coroutine=False)
+    problems += _check_method(
+        obj,
+        "forward",
+        coroutine=False,
+        positional=("cache", "position"),
+        keywords=("tokens", "hidden", "logits", "should_stop"),
+    )
+    return problems
+
+
+def _validate_drafter(obj: Any) -> list[str]:
+    problems = _class_problems(obj)
+    if problems:
+        return problems
+    problems += _check_method(obj, "begin", coroutine=False, positional=("prompt",))
+    problems += _check_method(obj, "commit", coroutine=False, positional=("tokens",))
+    problems += _check_method(obj, "propose", coroutine=False, positional=("context", "max_tokens"))
+    create = inspect.getattr_static(obj, "create", None)
+    if create is not None and not isinstance(create, classmethod):
+        problems.append("its create must be a classmethod taking the drafter options")
+    return problems
+
+
+_VALIDATORS: dict[Kind, Callable[[Any], list[str]]] = {
+    "transports": _validate_transport,
+    "backends": _validate_backend,
+    "drafters": _validate_drafter,
+}

@@ -1,0 +1,252 @@
+"""The plugin registry: entry points, validation, broken plugins, STAGERUN_PLUGINS, the CLI."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stagerun import plugins
+from stagerun._cli import main
+from stagerun._speculative import SpeculationConfig
+from stagerun.drafters import NgramDrafter
+from stagerun.transports import TcpTransport, WebSocketTransport
+
+MODULE = """
+import trio
+from stagerun.abc import Transport, Drafter
+
+
+class GoodTransport(Transport):
+    schemes = ("good",)
+
+    async def connect(self, address, *, timeout):
+        raise NotImplementedError
+
+    async def serve(self, address, handler, *, task_status=trio.TASK_STATUS_IGNORED):
+        raise NotImplementedError
+
+
+class SyncConnect:
+    schemes = ("sync",)
+
+    def connect(self, address, *, timeout):
+        return None
+
+    async def serve(self, address, handler, *, task_status=None):
+        pass
+
+
+class NoSchemes:
+    async def connect(self, address, *, timeout):
+        pass
+
+    async def serve(self, address, handler, *, task_status=None):
+        pass
+
+
+class HalfDrafter(Drafter):
+    def begin(self, prompt):
+        pass
+
+    def commit(self, tokens):
+        pass
+
+
+class AsyncDrafter:
+    def begin(self, prompt):
+        pass
+
+    def commit(self, tokens):
+        pass
+
+    async def propose(self, context, max_tokens):
+        return []
+
+
+class FirstDrafter(Drafter):
+    def begin(self, prompt):
+        pass
+
+    def commit(self, tokens):
+        pass
+
+    def propose(self, context, max_tokens):
+        return [1]
+
+
+class NoForward:
+    def __init__(self, model, layers=None, *, threads=None):
+        pass
+
+    layers = (0, 1)
+    is_first = is_last = True
+
+    def new_cache(self):
+        return None
+
+
+not_a_class = 42
+"""
+
+
+def _fake_distribution(root: Path, name: str, entry_points: str) -> None:
+    info = root / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+
+
+@pytest.fixture
+def fake_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    (tmp_path / "fakeplug_mod.py").write_text(MODULE)
+    _fake_distribution(
+        tmp_path,
+        "fakeplug",
+        """
+        [stagerun.transports]
+        good = fakeplug_mod:GoodTransport
+        gone = fakeplug_missing_module:Thing
+        sync = fakeplug_mod:SyncConnect
+        noschemes = fakeplug_mod:NoSchemes
+        twin = fakeplug_mod:GoodTransport
+
+        [stagerun.drafters]
+        half = fakeplug_mod:HalfDrafter
+        asyncdrafter = fakeplug_mod:AsyncDrafter
+        first = fakeplug_mod:FirstDrafter
+        number = fakeplug_mod:not_a_class
+
+        [stagerun.backends]
+        noforward = fakeplug_mod:NoForward
+        """,
+    )
+    _fake_distribution(
+        tmp_path,
+        "otherplug",
+        """
+        [stagerun.transports]
+        twin = fakeplug_mod:GoodTransport
+        """,
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.ENV, raising=False)
+    plugins.refresh()
+    yield tmp_path
+    plugins.refresh()
+
+
+def test_built_ins_come_through_entry_points() -> None:
+    plugins.refresh()
+    assert {"tcp", "ws"} <= set(plugins.names("transports"))
+    assert "numpy" in plugins.names("backends")
+    assert {"ngram", "draft-model", "oracle"} <= set(plugins.names("drafters"))
+    assert isinstance(plugins.transport("tcp"), TcpTransport)
+    assert isinstance(plugins.transport_for("ws://127.0.0.1:1"), WebSocketTransport)
+    assert isinstance(plugins.transport_for("127.0.0.1:1"), TcpTransport)  # tcp by default
+    assert plugins.drafter("ngram") is NgramDrafter
+    info = next(i for i in plugins.installed("transports") if i.name == "tcp")
+    assert info.distribution.startswith("stagerun ") and info.status == "loaded"
+
+
+def test_unknown_names_list_what_is_available() -> None:
+    plugins.refresh()
+    with pytest.raises(plugins.PluginError, match=r"no transport plugin named 'smoke'.*tcp"):
+        plugins.transport("smoke")
+    with pytest.raises(plugins.PluginError, match=r"no transport plugin serves carrier://"):
+        plugins.transport_for("carrier://pigeon:1")
+    with pytest.raises(ValueError, match=r"unknown drafter 'psychic'; choose one of off, "):
+        SpeculationConfig("psychic")
+
+
+def test_a_plugin_that_fails_to_import_names_itself(fake_plugins: Path) -> None:
+    with pytest.raises(plugins.PluginError) as excinfo:
+        plugins.transport("gone")
+    message = str(excinfo.value)
+    assert "transport plugin 'gone'" in message
+    assert "fakeplug_missing_module:Thing" in message and "fakeplug 1.0" in message
+    assert "importing it failed: ModuleNotFoundError" in message
+    # The others keep working.
+    assert isinstance(plugins.transport("tcp"), TcpTransport)
+    assert type(plugins.transport("good")).__name__ == "GoodTransport"
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "problem"),
+    [
+        ("transports", "sync", r"its connect\(\) must be an async def"),
+        ("transports", "noschemes", r"its schemes must be a non-empty tuple"),
+        ("drafters", "half", r"leaves abstract methods unimplemented: propose"),
+        ("drafters", "asyncdrafter", r"its propose\(\) must be a plain \(blocking\) def"),
+        ("drafters", "number", r"it is a int, not a class"),
+        ("backends", "noforward", r"it has no forward\(\)"),
+    ],
+)
+def test_a_plugin_with_the_wrong_interface_is_refused(
+    fake_plugins: Path, kind: plugins.Kind, name: str, problem: str
+) -> None:
+    load = {"transports": plugins.transport, "drafters": plugins.drafter,
+            "backends": plugins.backend}[kind]  # fmt: skip
+    with pytest.raises(plugins.PluginError, match=problem) as excinfo:
+        load(name)
+    assert f"plugin {name!r}" in str(excinfo.value) and "fakeplug 1.0" in str(excinfo.value)
+    info = next(i for i in plugins.installed(kind) if i.name == name)
+    assert info.status == "broken"
+    assert name not in plugins.names(kind)
+    # Asking again gives the same answer without importing again.
+    with pytest.raises(plugins.PluginError, match=problem):
+        load(name)
+
+
+def test_two_distributions_claiming_one_name_is_an_error_naming_both(fake_plugins: Path) -> None:
+    with pytest.raises(plugins.PluginError) as excinfo:
+        plugins.transport("twin")
+    message = str(excinfo.value)
+    assert "registered by fakeplug 1.0" in message and "otherplug 1.0" in message
+    assert "twin" not in plugins.names("transports")
+    assert "good" in plugins.names("transports")
+
+
+def test_a_third_party_drafter_is_usable_by_name(fake_plugins: Path) -> None:
+    assert SpeculationConfig("first").drafter == "first"
+    assert plugins.drafter("first")().propose([1, 2], 4) == [1]
+
+
+def test_stagerun_plugins_restricts_what_loads(
+    fake_plugins: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(plugins.ENV, "tcp, drafters:ngram, fakeplug")
+    plugins.refresh()
+    assert set(plugins.names("transports")) == {"tcp", "good", "gone", "sync", "noschemes"}
+    assert plugins.names("drafters") == ["asyncdrafter", "first", "half", "ngram", "number"]
+    with pytest.raises(
+        plugins.PluginError, match=r"'ws'.* unusable: not listed in STAGERUN_PLUGINS"
+    ):
+        plugins.transport("ws")
+    with pytest.raises(plugins.PluginError, match=r"no transport plugin serves ws://"):
+        plugins.transport_for("ws://127.0.0.1:1")
+
+
+def test_cli_lists_plugins_and_their_problems(
+    fake_plugins: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plugins", "--load"]) == 1  # broken plugins make it fail
+    out = capsys.readouterr().out
+    assert "tcp" in out and "[loaded]" in out
+    assert "gone" in out and "importing it failed" in out
+    assert "registered by fakeplug 1.0" in out
+    plugins.refresh()
+    assert main(["plugins", "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    twin = next(r for r in rows if r["name"] == "twin")
+    assert twin["status"] == "broken" and "otherplug" in twin["distribution"]
+
+
+def test_cli_is_clean_without_broken_plugins(capsys: pytest.CaptureFixture[str]) -> None:
+    plugins.refresh()
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "transports:" in out and "ws" in out and "numpy" in out
