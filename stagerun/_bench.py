@@ -28,6 +28,8 @@ async def run_bench(args: argparse.Namespace) -> int:
         return await bench_speculative(args)
     if args.bench_command == "transport":
         return await bench_transport(args)
+    if args.bench_command == "backends":
+        return await bench_backends(args)
     raise ValueError(f"unknown benchmark {args.bench_command!r}")
 
 
@@ -56,6 +58,7 @@ async def bench_decode(args: argparse.Namespace) -> int:
                     transport=args.transport,
                     transports=args.transports,
                     backend=args.backend,
+                    backends=args.backends,
                 )
             )
         for pipeline in pipelines.values():  # warm-up: caches, thread pools, lanes
@@ -163,6 +166,7 @@ async def bench_speculative(args: argparse.Namespace) -> int:
         transport=args.transport,
         transports=args.transports,
         backend=args.backend,
+        backends=args.backends,
     ) as pipeline:
         await pipeline.complete("Hello", max_tokens=4, sampling=greedy)
         for round_index in range(args.rounds):
@@ -334,4 +338,69 @@ async def bench_transport(args: argparse.Namespace) -> int:
                 f"tokens/s   {rates[name] / rates[base]:.3f}x {base}"
             )
         print(f"identical tokens: {report['identical_tokens']}")
+    return 0
+
+
+def _window_costs(
+    backend: Any, prompt: list[int], sizes: list[int], rounds: int
+) -> dict[int, float]:
+    """Median ms of one forward of T new tokens after the prompt, for each T (blocking)."""
+    import time
+
+    cache = backend.new_cache()
+    backend.forward(cache, 0, tokens=prompt)
+    times: dict[int, list[float]] = {t: [] for t in sizes}
+    for _ in range(rounds):
+        for t in sizes:
+            window = prompt[:t]
+            start = time.perf_counter()
+            backend.forward(cache, len(prompt), tokens=window, logits="all")
+            times[t].append((time.perf_counter() - start) * 1000.0)
+    return {t: statistics.median(v) for t, v in times.items()}
+
+
+async def bench_backends(args: argparse.Namespace) -> int:
+    """Decode tokens/s and verify-window cost (T = 1, 4, 8) per backend, the whole model."""
+    import trio
+
+    from . import plugins
+    from .model import open_model
+
+    model = open_model(args.model)
+    prompt = model.tokenizer.encode(args.prompt)
+    names: list[str] = list(args.backends_to_compare or plugins.names("backends"))
+    sizes = [1, 4, 8]
+    costs: dict[str, dict[int, float]] = {}
+    for name in names:
+        _say(args, f"loading {name}")
+        backend = await trio.to_thread.run_sync(
+            functools.partial(plugins.backend(name), model, None, threads=args.threads)
+        )
+        await trio.to_thread.run_sync(_window_costs, backend, prompt, sizes, 1)  # warm-up
+        costs[name] = await trio.to_thread.run_sync(
+            _window_costs, backend, prompt, sizes, args.rounds
+        )
+        c = costs[name]
+        _say(args, f"{name}: " + ", ".join(f"T={t} {c[t]:.1f} ms" for t in sizes))
+    base = names[0]
+    report = {
+        "benchmark": "backends",
+        "model": str(args.model),
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "forward_ms": {n: {str(t): round(v, 2) for t, v in c.items()} for n, c in costs.items()},
+        "decode_tokens_per_second": {n: round(1000.0 / c[1], 2) for n, c in costs.items()},
+        "window_cost_vs_one_token": {
+            n: {str(t): round(c[t] / c[1], 3) for t in sizes} for n, c in costs.items()
+        },
+        "speed_vs_" + base: {
+            n: {str(t): round(costs[base][t] / c[t], 3) for t in sizes} for n, c in costs.items()
+        },
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        for name, c in costs.items():
+            cells = "  ".join(f"T={t}: {c[t]:7.1f} ms ({c[t] / c[1]:.2f}x)" for t in sizes)
+            print(f"{name:10s} {1000.0 / c[1]:6.1f} tok/s   {cells}")
     return 0

@@ -78,6 +78,12 @@ def _plugin_options(p: argparse.ArgumentParser) -> None:
         help="one transport per hop instead, stage 0->1 first, e.g. ws,tcp",
     )
     p.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
+    p.add_argument(
+        "--backends",
+        type=_transport_list,
+        default=None,
+        help="one backend per stage instead, stage 0 first, e.g. numpy,torch,numpy",
+    )
 
 
 def _link_options(p: argparse.ArgumentParser) -> None:
@@ -207,6 +213,22 @@ def build_parser() -> argparse.ArgumentParser:
     transport.add_argument("--threads", type=int, default=None)
     transport.add_argument("--inproc", action="store_true")
 
+    backends = bench_sub.add_parser(
+        "backends", help="decode tokens/s and verify-window cost per compute backend"
+    )
+    backends.add_argument(
+        "--compare",
+        dest="backends_to_compare",
+        type=_transport_list,
+        default=None,
+        help="backends to compare, the first is the baseline (default: all installed)",
+    )
+    backends.add_argument("--rounds", type=int, default=7)
+    backends.add_argument("--threads", type=int, default=1, help="compute threads (default 1)")
+    backends.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
+    backends.add_argument("--model", default="smollm2")
+    backends.add_argument("--json", action="store_true")
+
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API over a pipeline")
     serve.add_argument(
         "--model",
@@ -306,6 +328,7 @@ async def _generate(args: argparse.Namespace) -> int:
         transport=args.transport,
         transports=args.transports,
         backend=args.backend,
+        backends=args.backends,
         hop_delay_ms=args.hop_delay_ms,
         bandwidth_mbps=args.bandwidth_mbps,
         speculation=speculation_from_args(args),

@@ -64,7 +64,7 @@ async def _read_ready_line(proc: trio.Process, index: int) -> str:
 
 @asynccontextmanager
 async def open_pipeline(
-    model: str | os.PathLike[str] = "smollm2",
+    model: str | os.PathLike[str] | ModelFile = "smollm2",
     *,
     stages: int = 1,
     layers: Sequence[tuple[int, int]] | None = None,
@@ -81,6 +81,7 @@ async def open_pipeline(
     transport: str = "tcp",
     transports: Sequence[str] | None = None,
     backend: str = "numpy",
+    backends: Sequence[str] | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start (or join) a pipeline and yield a `Pipeline` to run requests on.
 
@@ -105,6 +106,7 @@ async def open_pipeline(
         transports: one transport per hop instead (stage 0 to 1 first); the last stage's
             transport also carries the returns to stage 0.
         backend: the compute backend plugin of every stage started here (``numpy``, ...).
+        backends: one backend per stage instead, stage 0 first (any mix).
     """
     if hop_delay_ms < 0:
         raise ValueError(f"hop_delay_ms must not be negative, got {hop_delay_ms}")
@@ -129,9 +131,15 @@ async def open_pipeline(
         )
     hop_transports = list(transports) if transports is not None else [transport] * (len(ranges) - 1)
     listen = [plugins.transport(name).local_address(host) for name in hop_transports]
-    backend_cls = plugins.backend(backend)
+    if backends is not None and len(backends) != len(ranges):
+        raise ValueError(
+            f"{len(ranges)} stages need {len(ranges)} backends, got {len(backends)} "
+            f"({', '.join(backends)})"
+        )
+    stage_backends = list(backends) if backends is not None else [backend] * len(ranges)
+    backend_classes = [plugins.backend(name) for name in stage_backends]
     backend0 = await trio.to_thread.run_sync(
-        lambda: backend_cls(model_file, ranges[0], threads=threads)
+        lambda: backend_classes[0](model_file, ranges[0], threads=threads)
     )
     with single_exceptions():
         async with trio.open_nursery() as nursery:
@@ -147,7 +155,7 @@ async def open_pipeline(
                     if mode == "inproc":
                         stage_backend = await trio.to_thread.run_sync(
                             functools.partial(
-                                backend_cls, model_file, ranges[index], threads=threads
+                                backend_classes[index], model_file, ranges[index], threads=threads
                             )
                         )
                         address = await nursery.start(
@@ -172,7 +180,7 @@ async def open_pipeline(
                             threads,
                             wire_dtype,
                             listen[index - 1],
-                            backend,
+                            stage_backends[index],
                             link,
                         )
                         started.append(StageInfo(index, ranges[index], address, pid))

@@ -57,6 +57,9 @@ class Transport(abc.ABC):
     before reuse: False when the peer has gone or unsolicited bytes wait. Streams with a
     ``socket`` attribute (trio's SocketStream) are probed with a non-blocking peek instead.
     Otherwise a connection is assumed live, and a dead one is found at first use.
+
+    stagerun builds a transport with no arguments (``Transport()``), once per use; keep
+    configuration in the address or in environment variables.
     """
 
     schemes: ClassVar[tuple[str, ...]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import os
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, TypeAlias
 
@@ -92,13 +93,17 @@ def refresh() -> None:
     _registry = None
 
 
+def _canonical(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503): case and -_. folded."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _allowed(info: PluginInfo, allow: set[str] | None) -> bool:
     if allow is None:
         return True
-    dist = info.distribution.rsplit(" ", 1)[0].lower()
-    return bool(
-        {info.name, f"{info.kind}:{info.name}", f"{_SINGULAR[info.kind]}:{info.name}", dist} & allow
-    )
+    names = {info.name, f"{info.kind}:{info.name}", f"{_SINGULAR[info.kind]}:{info.name}"}
+    names |= {_canonical(part.strip().rsplit(" ", 1)[0]) for part in info.distribution.split(",")}
+    return bool(names & allow)
 
 
 def _discover() -> dict[Kind, dict[str, PluginInfo]]:
@@ -106,7 +111,10 @@ def _discover() -> dict[Kind, dict[str, PluginInfo]]:
     if _registry is not None:
         return _registry
     spec = os.environ.get(ENV, "").strip()
-    allow = {item.strip().lower() for item in spec.split(",") if item.strip()} if spec else None
+    allow = None
+    if spec:
+        items = [item.strip() for item in spec.split(",") if item.strip()]
+        allow = {item.lower() for item in items} | {_canonical(item) for item in items}
     registry: dict[Kind, dict[str, PluginInfo]] = {}
     for kind, group in GROUPS.items():
         found: dict[str, list[PluginInfo]] = {}
@@ -181,20 +189,34 @@ def transport(name: str) -> Any:
 
 
 def transport_for(address: str) -> Any:
-    """A new instance of the transport that serves ``address``'s scheme (``tcp`` if none)."""
+    """A new instance of the transport that serves ``address``'s scheme (``tcp`` if none).
+
+    The plugin named like the scheme is tried first (``tcp``, ``ws``); otherwise every
+    transport is loaded to read its schemes. Two plugins serving one scheme is an error.
+    """
     scheme, sep, _rest = address.partition("://")
     scheme = scheme if sep else "tcp"
-    candidates = []
-    for info in installed("transports"):
-        if info.status not in ("available", "loaded"):
-            continue
+    usable = [i for i in installed("transports") if i.status in ("available", "loaded")]
+    by_name = next((i for i in usable if i.name == scheme), None)
+    if by_name is not None:
+        cls = _load("transports", by_name.name).obj
+        if scheme in cls.schemes:
+            return cls()
+    serving: list[PluginInfo] = []
+    for info in usable:
         try:
-            cls = _load("transports", info.name).obj
+            loaded = _load("transports", info.name)
         except PluginError:
             continue
-        if scheme in cls.schemes:
-            candidates.append(cls)
-    if not candidates:
+        if scheme in loaded.obj.schemes:
+            serving.append(loaded)
+    if len(serving) > 1:
+        raise PluginError(
+            f"{scheme}:// addresses are served by "
+            + " and ".join(i.describe() for i in serving)
+            + f"; leave one out with {ENV}"
+        )
+    if not serving:
         known = sorted(
             {s for i in installed("transports") if i.obj is not None for s in i.obj.schemes}
         )
@@ -202,7 +224,7 @@ def transport_for(address: str) -> Any:
             f"no transport plugin serves {scheme}:// addresses (as in {address!r}); "
             f"installed schemes: {', '.join(known) or 'none'}"
         )
-    return candidates[0]()
+    return serving[0].obj()
 
 
 def backend(name: str) -> Any:

@@ -250,3 +250,27 @@ def test_cli_is_clean_without_broken_plugins(capsys: pytest.CaptureFixture[str])
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "transports:" in out and "ws" in out and "numpy" in out
+
+
+def test_stagerun_plugins_matches_distribution_names_as_packaging_does(
+    fake_plugins: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(plugins.ENV, "FakePlug")
+    plugins.refresh()
+    assert "good" in plugins.names("transports") and "tcp" not in plugins.names("transports")
+
+
+async def test_the_example_drafter_plugin_drives_speculation(tiny_model_path: Path) -> None:
+    """examples/custom_drafter, installed by `make test`, chosen by its entry point name."""
+    from stagerun import open_pipeline
+
+    plugins.refresh()
+    assert "bigram" in plugins.names("drafters")
+    async with open_pipeline(tiny_model_path, stages=2) as pipeline:
+        prompt = "one two three one two three one two"
+        plain = await pipeline.complete(prompt, max_tokens=16)
+        spec = await pipeline.complete(
+            prompt, max_tokens=16, speculation=SpeculationConfig("bigram", depth=2, window=3)
+        )
+    assert spec.token_ids == plain.token_ids
+    assert spec.timings["speculative_windows"] > 0

@@ -309,14 +309,18 @@ def _unsupported_type(path: pathlib.Path, name: str, qtype: Any) -> UnsupportedM
     )
 
 
-def open_model(name_or_path: str | os.PathLike[str]) -> ModelFile:
+def open_model(name_or_path: str | os.PathLike[str] | ModelFile) -> ModelFile:
     """Open a model by name (``smollm2``) or GGUF path; nothing is dequantized yet.
+
+    A `ModelFile` is returned as it is.
 
     Raises:
         ModelNotFoundError: see :func:`resolve_model`.
         ModelError: the file is not a readable GGUF file, or lacks what a llama model needs.
         UnsupportedModelError: the architecture is not llama, or a tensor type is unknown.
     """
+    if isinstance(name_or_path, ModelFile):
+        return name_or_path
     path = resolve_model(name_or_path)
     stat = path.stat()
     return _open_cached(path, stat.st_mtime_ns, stat.st_size)

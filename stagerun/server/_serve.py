@@ -61,6 +61,7 @@ class ServeOptions:
     transport: str = "tcp"
     transports: tuple[str, ...] | None = None
     backend: str = "numpy"
+    backends: tuple[str, ...] | None = None
 
 
 def served_model_id(model: str) -> str:
@@ -155,6 +156,7 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                 transport=options.transport,
                 transports=options.transports,
                 backend=options.backend,
+                backends=options.backends,
             ) as pipeline:
                 app: Any = create_app(
                     pipeline,
@@ -219,6 +221,7 @@ def options_from_args(args: object) -> ServeOptions:
         transport=get("transport", "tcp"),
         transports=get("transports", None),
         backend=get("backend", "numpy"),
+        backends=get("backends", None),
     )
 
 

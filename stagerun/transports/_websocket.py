@@ -261,7 +261,10 @@ class WebSocketTransport(Transport):
             try:
                 await handler(stream, peer)
             finally:
-                with trio.CancelScope(shield=True):
+                # The client answers a close only when it next reads or writes: an idle pooled
+                # lane may never answer, so the close is bounded.
+                with trio.move_on_after(DISCONNECT_TIMEOUT) as scope:
+                    scope.shield = True
                     await ws.aclose()
 
         async with trio.open_nursery() as nursery:
