@@ -19,10 +19,15 @@ $(STAMP): $(PY) pyproject.toml
 
 # The plugins in plugins/ and the example drafter plugin, installed like a third party's
 # (their dependencies, torch included, come with the test and reference extras).
-PLUGINS := plugins/stagerun-unix plugins/stagerun-torch examples/custom_drafter
+# llama-cpp-python and llama-server are built from source once (about 10 minutes on 2 cores)
+# and kept in .cache/ (git-ignored), so later runs install in seconds.
+PLUGINS := plugins/stagerun-unix plugins/stagerun-torch plugins/stagerun-llamacpp \
+	examples/custom_drafter
 
 $(TEST_STAMP): $(STAMP) $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PIP) install -q -e '.[test,reference]'
+	plugins/stagerun-llamacpp/scripts/build.sh $(PIP)
+	$(PIP) install -q .cache/wheels/llama_cpp_python-0.3.36-*.whl
 	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))
 	touch $@
 

@@ -368,7 +368,8 @@ async def bench_backends(args: argparse.Namespace) -> int:
 
     model = open_model(args.model)
     prompt = model.tokenizer.encode(args.prompt)
-    names: list[str] = list(args.backends_to_compare or plugins.names("backends"))
+    installed = [n for n in plugins.names("backends") if n != "fake"]  # fake: tests only
+    names: list[str] = list(args.backends_to_compare or installed)
     sizes = [1, 4, 8]
     costs: dict[str, dict[int, float]] = {}
     for name in names:

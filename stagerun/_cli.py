@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="backends_to_compare",
         type=_transport_list,
         default=None,
-        help="backends to compare, the first is the baseline (default: all installed)",
+        help="backends to compare, the first is the baseline (default: all installed but fake)",
     )
     backends.add_argument("--rounds", type=int, default=7)
     backends.add_argument("--threads", type=int, default=1, help="compute threads (default 1)")

@@ -194,7 +194,7 @@ class TorchBackend(ComputeBackend):
 
     @property
     def is_last(self) -> bool:
-        return self._hi == self.config.n_layers
+        return bool(self._hi == self.config.n_layers)
 
     @property
     def d_model(self) -> int:

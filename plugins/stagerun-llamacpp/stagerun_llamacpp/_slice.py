@@ -1,0 +1,80 @@
+"""GGUF layer slices: a model file holding only the blocks one stage runs.
+
+llama.cpp loads whole models, so a stage that runs blocks ``lo..hi-1`` gets its own GGUF: every
+metadata key of the source, ``llama.block_count`` set to ``hi - lo``, blocks ``lo..hi-1``
+renumbered from 0, and the token embeddings, output norm and output head (llama.cpp needs them
+to build its graph even where the stage does not use them). Tensors are copied as they are,
+quantized, never converted. Slices are cached on disk, keyed by the source file's SHA-256 and the
+range, so each is written once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import gguf
+
+__all__ = ["cache_dir", "slice_model", "source_digest"]
+
+CACHE_ENV = "STAGERUN_LLAMACPP_CACHE"
+
+
+def cache_dir() -> Path:
+    """``$STAGERUN_LLAMACPP_CACHE``, else ``~/.cache/stagerun/llamacpp``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "stagerun" / "llamacpp"
+
+
+def source_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def slice_model(source: Path, lo: int, hi: int, *, directory: Path | None = None) -> Path:
+    """The path of a GGUF with blocks ``lo..hi-1`` of ``source`` (written if not cached)."""
+    directory = directory or cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"{source_digest(source)[:16]}-layers-{lo}-{hi}.gguf"
+    if target.exists():
+        return target
+    reader = gguf.GGUFReader(source)
+    arch_field = reader.fields["general.architecture"]
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+    partial = target.with_suffix(f".{os.getpid()}.partial")
+    writer = gguf.GGUFWriter(partial, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if name == f"{arch}.block_count":
+            writer.add_uint32(name, hi - lo)
+            continue
+        vtype = field.types[0]
+        value = field.contents()
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, vtype)
+    for tensor in reader.tensors:
+        name = tensor.name
+        if name.startswith("blk."):
+            index = int(name.split(".")[1])
+            if not lo <= index < hi:
+                continue
+            name = f"blk.{index - lo}." + name.split(".", 2)[2]
+        writer.add_tensor(
+            name,
+            tensor.data,
+            raw_shape=tensor.data.shape,
+            raw_dtype=tensor.tensor_type,
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(target)
+    return target
