@@ -2,9 +2,10 @@
 # Build what the llama.cpp plugin needs, once, into the working tree's .cache/ (git-ignored):
 #   .cache/wheels/llama_cpp_python-0.3.36-*.whl   llama-cpp-python, GGML_NATIVE=OFF
 #   .cache/llama.cpp/bin/llama-server               from the sdist's vendored llama.cpp, UI off
-# A second run finds both and returns at once. Usage: build.sh PIP   (e.g. .venv/bin/pip)
+# A second run finds both and returns at once.
+# Usage: build.sh [PIP COMMAND...]   (default pip; e.g. .venv/bin/python -m pip)
 set -euo pipefail
-PIP=${1:-pip}
+if [ $# -gt 0 ]; then PIP=("$@"); else PIP=(pip); fi
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 CACHE="$ROOT/.cache"
 VERSION=0.3.36
@@ -14,14 +15,14 @@ mkdir -p "$CACHE/wheels" "$CACHE/sdist"
 if ! ls "$CACHE"/wheels/llama_cpp_python-$VERSION-*.whl >/dev/null 2>&1; then
     echo "building llama-cpp-python $VERSION (about 5 minutes on 2 cores)..." >&2
     CMAKE_ARGS="$FLAGS" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
-        "$PIP" wheel -q --no-cache-dir --no-deps -w "$CACHE/wheels" "llama-cpp-python==$VERSION"
+        "${PIP[@]}" wheel -q --no-cache-dir --no-deps -w "$CACHE/wheels" "llama-cpp-python==$VERSION"
 fi
 
 SERVER="$CACHE/llama.cpp/bin/llama-server"
 if [ ! -x "$SERVER" ]; then
     echo "building llama-server from llama-cpp-python $VERSION's vendored llama.cpp (about 5 minutes)..." >&2
     if ! ls "$CACHE"/sdist/llama_cpp_python-$VERSION.tar.gz >/dev/null 2>&1; then
-        "$PIP" download -q --no-deps --no-binary :all: -d "$CACHE/sdist" "llama-cpp-python==$VERSION"
+        "${PIP[@]}" download -q --no-deps --no-binary :all: -d "$CACHE/sdist" "llama-cpp-python==$VERSION"
     fi
     rm -rf "$CACHE/llama.cpp/src" && mkdir -p "$CACHE/llama.cpp/src"
     tar -xzf "$CACHE"/sdist/llama_cpp_python-$VERSION.tar.gz -C "$CACHE/llama.cpp/src" --strip-components=1
