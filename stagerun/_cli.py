@@ -107,7 +107,11 @@ def _speculation_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--depth", type=int, default=4, help="verify windows in flight (default 4)")
     p.add_argument("--window", type=int, default=4, help="draft tokens per window (default 4)")
-    p.add_argument("--draft-model", default=None, help="GGUF for --speculative draft-model")
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="the draft model: a GGUF for draft-model, a URL for llama-server",
+    )
     p.add_argument(
         "--no-adaptive", action="store_true", help="keep window width and drafting fixed"
     )
