@@ -59,6 +59,7 @@ async def bench_decode(args: argparse.Namespace) -> int:
                     transports=args.transports,
                     backend=args.backend,
                     backends=args.backends,
+                    device=args.device,
                 )
             )
         for pipeline in pipelines.values():  # warm-up: caches, thread pools, lanes
@@ -167,6 +168,7 @@ async def bench_speculative(args: argparse.Namespace) -> int:
         transports=args.transports,
         backend=args.backend,
         backends=args.backends,
+        device=args.device,
     ) as pipeline:
         await pipeline.complete("Hello", max_tokens=4, sampling=greedy)
         for round_index in range(args.rounds):

@@ -84,6 +84,11 @@ def _plugin_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="one backend per stage instead, stage 0 first, e.g. numpy,torch,numpy",
     )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="compute device for backends that take one (torch): cuda, cuda:1, cpu",
+    )
 
 
 def _link_options(p: argparse.ArgumentParser) -> None:
@@ -169,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "scheme picks the transport plugin",
     )
     stage.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
+    stage.add_argument("--device", default=None, help="compute device for torch: cuda, cpu, ...")
     stage.add_argument("--downstream", default=None, help="address of the next stage")
     stage.add_argument("--threads", type=int, default=None)
     stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
@@ -333,6 +339,7 @@ async def _generate(args: argparse.Namespace) -> int:
         transports=args.transports,
         backend=args.backend,
         backends=args.backends,
+        device=args.device,
         hop_delay_ms=args.hop_delay_ms,
         bandwidth_mbps=args.bandwidth_mbps,
         speculation=speculation_from_args(args),
@@ -380,9 +387,10 @@ async def _stage(args: argparse.Namespace) -> int:
     from .model import open_model
     from .transports import format_address
 
-    backend = plugins.backend(args.backend)(
-        open_model(args.model), args.layers, threads=args.threads
-    )
+    backend = plugins.build_backend(
+        args.backend, open_model(args.model), args.layers, threads=args.threads,
+        device=args.device,
+    )  # fmt: skip
     listen = args.listen or format_address("tcp", args.host, args.port)
     async with trio.open_nursery() as nursery:
         address = await nursery.start(

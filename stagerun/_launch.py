@@ -82,6 +82,7 @@ async def open_pipeline(
     transports: Sequence[str] | None = None,
     backend: str = "numpy",
     backends: Sequence[str] | None = None,
+    device: str | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start (or join) a pipeline and yield a `Pipeline` to run requests on.
 
@@ -107,6 +108,8 @@ async def open_pipeline(
             transport also carries the returns to stage 0.
         backend: the compute backend plugin of every stage started here (``numpy``, ...).
         backends: one backend per stage instead, stage 0 first (any mix).
+        device: the compute device (``cuda``, ``cuda:1``, ``cpu``) for the stages whose backend
+            takes one (torch); None lets each backend choose.
     """
     if hop_delay_ms < 0:
         raise ValueError(f"hop_delay_ms must not be negative, got {hop_delay_ms}")
@@ -137,9 +140,26 @@ async def open_pipeline(
             f"({', '.join(backends)})"
         )
     stage_backends = list(backends) if backends is not None else [backend] * len(ranges)
-    backend_classes = [plugins.backend(name) for name in stage_backends]
+    for name in stage_backends:
+        plugins.backend(name)  # an unknown or broken plugin fails here, before anything starts
+
+    def device_for(name: str) -> str | None:
+        takes = "device" in (plugins._parameters(plugins.backend(name).__init__) or {})
+        return device if takes else None
+
+    if device is not None and not any(device_for(name) for name in stage_backends):
+        raise ValueError(
+            f"--device {device} needs a backend with a device (torch); "
+            f"these stages run {', '.join(stage_backends)}"
+        )
     backend0 = await trio.to_thread.run_sync(
-        lambda: backend_classes[0](model_file, ranges[0], threads=threads)
+        lambda: plugins.build_backend(
+            stage_backends[0],
+            model_file,
+            ranges[0],
+            threads=threads,
+            device=device_for(stage_backends[0]),
+        )
     )
     with single_exceptions():
         async with trio.open_nursery() as nursery:
@@ -155,7 +175,12 @@ async def open_pipeline(
                     if mode == "inproc":
                         stage_backend = await trio.to_thread.run_sync(
                             functools.partial(
-                                backend_classes[index], model_file, ranges[index], threads=threads
+                                plugins.build_backend,
+                                stage_backends[index],
+                                model_file,
+                                ranges[index],
+                                threads=threads,
+                                device=device_for(stage_backends[index]),
                             )
                         )
                         address = await nursery.start(
@@ -181,6 +206,7 @@ async def open_pipeline(
                             wire_dtype,
                             listen[index - 1],
                             stage_backends[index],
+                            device_for(stage_backends[index]),
                             link,
                         )
                         started.append(StageInfo(index, ranges[index], address, pid))
@@ -235,6 +261,7 @@ async def _spawn_stage(
     wire_dtype: str,
     listen: str,
     backend: str,
+    device: str | None,
     link: LinkEmulation,
 ) -> tuple[str, int]:
     cmd = [
@@ -248,6 +275,8 @@ async def _spawn_stage(
     ]  # fmt: skip
     if downstream is not None:
         cmd += ["--downstream", downstream]
+    if device is not None:
+        cmd += ["--device", device]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     if link.delay_s:

@@ -232,6 +232,30 @@ def backend(name: str) -> Any:
     return _load("backends", name).obj
 
 
+def build_backend(
+    name: str,
+    model: Any,
+    layers: tuple[int, int] | None,
+    *,
+    threads: int | None,
+    device: str | None = None,
+) -> Any:
+    """Construct backend ``name`` for a layer range; ``device`` goes to backends that take one.
+
+    Raises:
+        PluginError: a device was asked for and this backend has no ``device`` parameter.
+    """
+    cls = backend(name)
+    if device is None:
+        return cls(model, layers, threads=threads)
+    params = _parameters(cls.__init__) or {}
+    if "device" not in params and not any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    ):
+        raise PluginError(f"the {name} backend has no device option (asked for {device!r})")
+    return cls(model, layers, threads=threads, device=device)
+
+
 def drafter(name: str) -> Any:
     """The drafter class registered as ``name`` (``ngram``, ``draft-model``, ...)."""
     return _load("drafters", name).obj

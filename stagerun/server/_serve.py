@@ -62,6 +62,7 @@ class ServeOptions:
     transports: tuple[str, ...] | None = None
     backend: str = "numpy"
     backends: tuple[str, ...] | None = None
+    device: str | None = None
 
 
 def served_model_id(model: str) -> str:
@@ -157,6 +158,7 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                 transports=options.transports,
                 backend=options.backend,
                 backends=options.backends,
+                device=options.device,
             ) as pipeline:
                 app: Any = create_app(
                     pipeline,
@@ -222,6 +224,7 @@ def options_from_args(args: object) -> ServeOptions:
         transports=get("transports", None),
         backend=get("backend", "numpy"),
         backends=get("backends", None),
+        device=get("device", None),
     )
 
 

@@ -99,3 +99,30 @@ async def test_backends_must_match_the_stages(tiny: ModelFile) -> None:
     with pytest.raises(ValueError, match="3 stages need 3 backends, got 2"):
         async with open_pipeline(tiny, stages=3, backends=["numpy", "torch"]):
             pass
+
+
+async def test_device_goes_to_the_backends_that_take_one(tiny: ModelFile) -> None:
+    from stagerun import open_pipeline
+
+    async with open_pipeline(tiny, stages=2, backends=["numpy", "torch"], device="cpu") as p:
+        assert (await p.complete("The lighthouse", max_tokens=4)).token_ids
+    with pytest.raises(ValueError, match=r"--device cpu needs a backend with a device"):
+        async with open_pipeline(tiny, stages=2, device="cpu"):
+            pass
+    with pytest.raises(plugins.PluginError, match="the numpy backend has no device option"):
+        plugins.build_backend("numpy", tiny, None, threads=None, device="cpu")
+    built = plugins.build_backend("torch", tiny, (0, 2), threads=None, device="cpu")
+    assert str(built.device) == "cpu"
+
+
+def test_stage_command_takes_a_device(tiny: ModelFile) -> None:
+    from stagerun._cli import build_parser
+
+    args = build_parser().parse_args(
+        ["stage", "--layers", "0:2", "--backend", "torch", "--device", "cpu"]
+    )
+    assert args.device == "cpu" and args.backend == "torch"
+    args = build_parser().parse_args(
+        ["generate", "x", "--backends", "numpy,torch", "--device", "cpu"]
+    )
+    assert args.device == "cpu" and args.backends == ("numpy", "torch")
