@@ -1,4 +1,6 @@
 """Compute backends: run a stage's layer range. ``NumpyBackend`` is the reference."""
 
+from ._inputs import check_positions as check_positions
+from ._inputs import stage_input as stage_input
 from ._numpy import KVCache as KVCache
 from ._numpy import NumpyBackend as NumpyBackend

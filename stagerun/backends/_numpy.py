@@ -41,6 +41,7 @@ from threadpoolctl import ThreadpoolController
 
 from .._errors import ComputeCancelled
 from ..model import LayerWeights, ModelConfig, ModelFile, open_model
+from ._inputs import check_positions, stage_input
 
 __all__ = ["KVCache", "NumpyBackend"]
 
@@ -289,40 +290,26 @@ class NumpyBackend:
             return _matmul(self._norm(rows), self._head)
 
     def _input(self, tokens: object, hidden: object) -> F32:
-        role = "first" if self.is_first else "non-first"
-        if self.is_first:
-            if tokens is None or hidden is not None:
-                raise ValueError(f"the {role} stage takes `tokens` and no `hidden`.")
-            ids = np.asarray(tokens).reshape(-1)
-            if ids.size == 0 or ids.dtype.kind not in "iu":
-                raise ValueError("`tokens` must be a non-empty sequence of integer token ids.")
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.vocab_size}).")
-            assert self._embd is not None
-            rows: F32 = self._embd[ids]
-            return rows
-        if hidden is None or tokens is not None:
-            raise ValueError(f"the {role} stage (layers from {self._lo}) takes `hidden`.")
-        h = np.array(hidden, dtype=np.float32, copy=True)
-        if h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != self.d_model:
-            raise ValueError(f"`hidden` must be [T, {self.d_model}] with T >= 1, not {h.shape}.")
-        return h
+        rows = stage_input(
+            tokens,
+            hidden,
+            first=self.is_first,
+            lo=self._lo,
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+        )
+        if not self.is_first:
+            hidden_rows: F32 = rows
+            return hidden_rows
+        assert self._embd is not None
+        embedded: F32 = self._embd[rows]
+        return embedded
 
     def _check_position(self, cache: KVCache, position: int, n: int) -> None:
         c = self.config
         if cache._shape != (self._hi - self._lo, c.n_kv_heads, 0, c.head_dim):
             raise ValueError("this KV cache was made by a backend with another layer range.")
-        if position < 0:
-            raise ValueError(f"position must be >= 0, not {position}.")
-        if cache.length < position:
-            raise ValueError(
-                f"position {position} leaves a gap: the KV cache holds only {cache.length} tokens."
-            )
-        if position + n > self.config.context_length:
-            raise ValueError(
-                f"positions up to {position + n} exceed the context length "
-                f"{self.config.context_length}."
-            )
+        check_positions(cache.length, position, n, c.context_length)
 
     def _norm(self, h: F32) -> F32:
         """RMS-normalize rows (the gain is folded into the next matrix)."""

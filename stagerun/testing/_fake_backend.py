@@ -26,6 +26,7 @@ import numpy.typing as npt
 
 from .._errors import ComputeCancelled, LayerRangeError
 from ..abc import ComputeBackend
+from ..backends._inputs import check_positions, stage_input
 
 if TYPE_CHECKING:
     from ..model import ModelFile
@@ -192,22 +193,19 @@ class FakeBackend(ComputeBackend):
         return out
 
     def _input(self, tokens: object, hidden: object) -> F32:
+        rows = stage_input(
+            tokens,
+            hidden,
+            first=self.is_first,
+            lo=self._lo,
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+        )
         if self.is_first:
-            if tokens is None or hidden is not None:
-                raise ValueError("the first stage takes `tokens` and no `hidden`.")
-            ids = np.asarray(tokens).reshape(-1)
-            if ids.size == 0 or ids.dtype.kind not in "iu":
-                raise ValueError("`tokens` must be a non-empty sequence of integer token ids.")
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.vocab_size}).")
-            h = np.zeros((ids.size, self.d_model), np.float32)
-            h[:, _TOKEN] = ids
+            h = np.zeros((rows.size, self.d_model), np.float32)
+            h[:, _TOKEN] = rows
             return h
-        if hidden is None or tokens is not None:
-            raise ValueError(f"the non-first stage (layers from {self._lo}) takes `hidden`.")
-        h = np.array(hidden, dtype=np.float32, copy=True)
-        if h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != self.d_model:
-            raise ValueError(f"`hidden` must be [T, {self.d_model}] with T >= 1, not {h.shape}.")
+        h = rows
         used = h[:, :_WIDTH]
         if not (
             np.array_equal(used, np.round(used))
@@ -223,13 +221,4 @@ class FakeBackend(ComputeBackend):
     def _check_position(self, cache: object, position: int, n: int) -> None:
         if not isinstance(cache, FakeKVCache) or cache.layers != self.layers:
             raise ValueError("this cache was not made by a fake backend of this layer range.")
-        if position < 0:
-            raise ValueError(f"position must be >= 0, not {position}.")
-        if cache.length < position:
-            raise ValueError(
-                f"position {position} leaves a gap: the cache holds only {cache.length} tokens."
-            )
-        if position + n > self.context_length:
-            raise ValueError(
-                f"positions up to {position + n} exceed the context length {self.context_length}."
-            )
+        check_positions(cache.length, position, n, self.context_length)

@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from stagerun import ComputeCancelled
 from stagerun.abc import ComputeBackend
+from stagerun.backends import check_positions, stage_input
 from stagerun.model import ModelFile, open_model
 
 from ._slice import slice_model
@@ -246,18 +247,18 @@ class LlamaCppBackend(ComputeBackend):
             raise ValueError(f"logits must be 'last' or 'all', not {logits!r}.")
         if not isinstance(cache, LlamaCppCache) or cache._backend is not self:
             raise ValueError("this KV cache was made by another backend.")
-        rows = self._input(tokens, hidden)
-        n = len(rows) if self.is_first else rows.shape[0]
-        if position < 0:
-            raise ValueError(f"position must be >= 0, not {position}.")
-        if cache.length < position:
-            raise ValueError(
-                f"position {position} leaves a gap: the KV cache holds only {cache.length} tokens."
-            )
-        if position + n > self.n_ctx:
-            raise ValueError(
-                f"positions up to {position + n} exceed this backend's context of {self.n_ctx}."
-            )
+        rows = stage_input(
+            tokens,
+            hidden,
+            first=self.is_first,
+            lo=self._lo,
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+        )
+        n = rows.shape[0]
+        check_positions(
+            cache.length, position, n, self.n_ctx, limit_name="this backend's context of"
+        )
         cache.trim(position)
         if should_stop is not None and should_stop():
             raise ComputeCancelled(f"compute at position {position} stopped before it started.")
@@ -296,20 +297,3 @@ class LlamaCppBackend(ComputeBackend):
             got = None if cache.captured is None else cache.captured.shape
             raise RuntimeError(f"llama.cpp gave no hidden states for {n} rows (got {got})")
         return cache.captured
-
-    def _input(self, tokens: object, hidden: object) -> Any:
-        if self.is_first:
-            if tokens is None or hidden is not None:
-                raise ValueError("the first stage takes `tokens` and no `hidden`.")
-            ids = np.asarray(tokens).reshape(-1)
-            if ids.size == 0 or ids.dtype.kind not in "iu":
-                raise ValueError("`tokens` must be a non-empty sequence of integer token ids.")
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.vocab_size}).")
-            return [int(t) for t in ids]
-        if hidden is None or tokens is not None:
-            raise ValueError(f"the non-first stage (layers from {self._lo}) takes `hidden`.")
-        h = np.ascontiguousarray(hidden, dtype=np.float32)
-        if h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != self.d_model:
-            raise ValueError(f"`hidden` must be [T, {self.d_model}] with T >= 1, not {h.shape}.")
-        return h

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from stagerun import ComputeCancelled
 from stagerun.abc import ComputeBackend
+from stagerun.backends import check_positions, stage_input
 from stagerun.model import LayerWeights, ModelFile, open_model
 
 __all__ = ["TorchBackend", "TorchKVCache"]
@@ -246,22 +247,18 @@ class TorchBackend(ComputeBackend):
             return out.to("cpu", torch.float32).numpy()
 
     def _input(self, tokens: object, hidden: object) -> torch.Tensor:
+        rows = stage_input(
+            tokens,
+            hidden,
+            first=self.is_first,
+            lo=self._lo,
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+        )
         if self.is_first:
-            if tokens is None or hidden is not None:
-                raise ValueError("the first stage takes `tokens` and no `hidden`.")
-            ids = np.asarray(tokens).reshape(-1)
-            if ids.size == 0 or ids.dtype.kind not in "iu":
-                raise ValueError("`tokens` must be a non-empty sequence of integer token ids.")
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                raise ValueError(f"token ids must lie in [0, {self.vocab_size}).")
             assert self._embd is not None
-            return self._embd[torch.from_numpy(ids.astype(np.int64)).to(self.device)]
-        if hidden is None or tokens is not None:
-            raise ValueError(f"the non-first stage (layers from {self._lo}) takes `hidden`.")
-        h = np.asarray(hidden, dtype=np.float32)
-        if h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != self.d_model:
-            raise ValueError(f"`hidden` must be [T, {self.d_model}] with T >= 1, not {h.shape}.")
-        return torch.from_numpy(np.array(h, copy=True)).to(self.device, self.dtype)
+            return self._embd[torch.from_numpy(rows).to(self.device)]
+        return torch.from_numpy(rows).to(self.device, self.dtype)
 
     def _check_position(self, cache: TorchKVCache, position: int, n: int) -> None:
         c = self.config
@@ -271,16 +268,7 @@ class TorchBackend(ComputeBackend):
             c.head_dim,
         ):
             raise ValueError("this KV cache was made by a backend with another layer range.")
-        if position < 0:
-            raise ValueError(f"position must be >= 0, not {position}.")
-        if cache.length < position:
-            raise ValueError(
-                f"position {position} leaves a gap: the KV cache holds only {cache.length} tokens."
-            )
-        if position + n > c.context_length:
-            raise ValueError(
-                f"positions up to {position + n} exceed the context length {c.context_length}."
-            )
+        check_positions(cache.length, position, n, c.context_length)
 
     def _norm(self, h: torch.Tensor) -> torch.Tensor:
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self._eps)
