@@ -144,8 +144,7 @@ async def open_pipeline(
         plugins.backend(name)  # an unknown or broken plugin fails here, before anything starts
 
     def device_for(name: str) -> str | None:
-        takes = "device" in (plugins._parameters(plugins.backend(name).__init__) or {})
-        return device if takes else None
+        return device if plugins.takes_device(name) else None
 
     if device is not None and not any(device_for(name) for name in stage_backends):
         raise ValueError(

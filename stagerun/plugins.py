@@ -33,10 +33,12 @@ __all__ = [
     "PluginError",
     "PluginInfo",
     "backend",
+    "build_backend",
     "drafter",
     "installed",
     "names",
     "refresh",
+    "takes_device",
     "transport",
     "transport_for",
 ]
@@ -248,12 +250,17 @@ def build_backend(
     cls = backend(name)
     if device is None:
         return cls(model, layers, threads=threads)
-    params = _parameters(cls.__init__) or {}
-    if "device" not in params and not any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
-    ):
+    if not takes_device(name):
         raise PluginError(f"the {name} backend has no device option (asked for {device!r})")
     return cls(model, layers, threads=threads, device=device)
+
+
+def takes_device(name: str) -> bool:
+    """Whether backend ``name`` accepts a ``device`` keyword (``--device``)."""
+    params = _parameters(backend(name).__init__) or {}
+    return "device" in params or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
+    )
 
 
 def drafter(name: str) -> Any:

@@ -274,3 +274,9 @@ async def test_the_example_drafter_plugin_drives_speculation(tiny_model_path: Pa
         )
     assert spec.token_ids == plain.token_ids
     assert spec.timings["speculative_windows"] > 0
+
+
+def test_takes_device_reads_the_backend_signature() -> None:
+    plugins.refresh()
+    assert not plugins.takes_device("numpy")
+    assert plugins.takes_device("torch")

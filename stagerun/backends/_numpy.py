@@ -11,13 +11,10 @@ is how the weights are laid out and how many numpy calls each layer makes:
   window costs 1.3-1.5x a one-token step (10 layers, 1 thread: 8.3 vs 6.3 ms; was 17.9 vs
   7.6 ms), and one row is passed as two (the batched gemv path is slower than a 2-row gemm).
   Prompts of 64+ rows run as fast as before on one thread, about 25% slower on two.
-* Projections that share an input are fused: Q, K and V into one matrix, gate and up into one.
-* RMSNorm gains are folded into the rows of the matrix that follows the norm, and the attention
-  scale 1/sqrt(head_dim) into W_q, so neither costs a pass at run time.
-* RoPE: the GGUF converter permuted Q/K so that llama.cpp's interleaved pairs ``(2i, 2i+1)``
-  rotate together. Permuting the rows of W_q and W_k once per head turns those pairs into the
-  halves ``(i, i + head_dim/2)``, which rotate with contiguous slices and precomputed tables; the
-  dot products q.k, and so attention, do not change.
+* The weight rewrites of `stagerun.model.fuse_layer`: Q/K/V and gate/up fused, RMSNorm gains
+  folded into the following matrix, 1/sqrt(head_dim) into W_q, and the Q/K rows of each head
+  reordered so that RoPE rotates the halves ``(i, i + head_dim/2)`` with contiguous slices and
+  precomputed tables.
 * Grouped-query attention never repeats K/V: queries are viewed as ``[n_kv, group*T, head_dim]``
   and batched matmul broadcasts over the KV heads.
 * The KV cache is preallocated and grows in place by doubling; a decode step writes one slot.
@@ -40,7 +37,7 @@ import numpy.typing as npt
 from threadpoolctl import ThreadpoolController
 
 from .._errors import ComputeCancelled
-from ..model import LayerWeights, ModelConfig, ModelFile, open_model
+from ..model import LayerWeights, ModelConfig, ModelFile, fuse_layer, open_model
 from ._inputs import check_positions, stage_input
 
 __all__ = ["KVCache", "NumpyBackend"]
@@ -142,12 +139,9 @@ def _matmul(x: F32, w: _Panels) -> F32:
     return out[:n, : w.n_out]
 
 
-def _packed(*mats: F32, gain: F32 | None = None) -> _Panels:
-    """Stack ``(out, in)`` matrices along ``out`` and return ``(in, sum out)``, gain folded in."""
-    w = np.concatenate(mats, axis=0).T
-    if gain is not None:
-        w = w * gain[:, None]
-    return _Panels(w.astype(np.float32, copy=False))
+def _panels(w: F32) -> _Panels:
+    """Panels for an ``(out, in)`` matrix (the orientation `stagerun.model` uses)."""
+    return _Panels(w.T)
 
 
 class NumpyBackend:
@@ -180,7 +174,7 @@ class NumpyBackend:
         self._embd: F32 | None = w.token_embd
         self._head: _Panels | None = None
         if w.output is not None and w.output_norm is not None:
-            self._head = _packed(w.output, gain=w.output_norm)
+            self._head = _panels(w.output * w.output_norm[None, :])
         hd, half = c.head_dim, c.head_dim // 2
         inv_freq = 1.0 / (c.rope_base ** (np.arange(half, dtype=np.float64) * 2.0 / hd))
         angles = np.arange(c.context_length, dtype=np.float64)[:, None] * inv_freq[None, :]
@@ -190,21 +184,8 @@ class NumpyBackend:
         self._sin = np.stack([-sin, sin], axis=1).astype(np.float32)
 
     def _pack_layer(self, lw: LayerWeights) -> _Layer:
-        c = self.config
-        hd = c.head_dim
-        # Row i of each head's Q/K goes to slot perm^-1(i): interleaved pairs become halves.
-        perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
-
-        def halves(m: F32, heads: int) -> F32:
-            return m.reshape(heads, hd, -1)[:, perm, :].reshape(heads * hd, -1)
-
-        wq = halves(lw.wq, c.n_heads) * np.float32(1.0 / np.sqrt(hd))
-        return _Layer(
-            _packed(wq, halves(lw.wk, c.n_kv_heads), lw.wv, gain=lw.attn_norm),
-            _packed(lw.wo),
-            _packed(lw.w_gate, lw.w_up, gain=lw.ffn_norm),
-            _packed(lw.w_down),
-        )
+        f = fuse_layer(lw, self.config)
+        return _Layer(_panels(f.qkv), _panels(f.wo), _panels(f.gate_up), _panels(f.down))
 
     def __repr__(self) -> str:
         return (

@@ -3,9 +3,13 @@
 from ._chat import CHATML_TEMPLATE as CHATML_TEMPLATE
 from ._chat import ChatTemplateError as ChatTemplateError
 from ._chat import render_chat as render_chat
+from ._fused import FusedLayer as FusedLayer
+from ._fused import fuse_layer as fuse_layer
+from ._fused import qk_row_order as qk_row_order
 from ._gguf import LayerWeights as LayerWeights
 from ._gguf import ModelConfig as ModelConfig
 from ._gguf import ModelFile as ModelFile
+from ._gguf import QuantizedTensor as QuantizedTensor
 from ._gguf import StageWeights as StageWeights
 from ._gguf import open_model as open_model
 from ._resolve import KNOWN_MODELS as KNOWN_MODELS

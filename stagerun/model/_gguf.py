@@ -28,7 +28,14 @@ from ._chat import CHATML_TEMPLATE, render_chat
 from ._resolve import resolve_model
 from ._tokenizer import Tokenizer, eog_ids_from_vocab
 
-__all__ = ["LayerWeights", "ModelConfig", "ModelFile", "StageWeights", "open_model"]
+__all__ = [
+    "LayerWeights",
+    "ModelConfig",
+    "ModelFile",
+    "QuantizedTensor",
+    "StageWeights",
+    "open_model",
+]
 
 F32 = npt.NDArray[np.float32]
 
@@ -92,6 +99,21 @@ class StageWeights:
     output_norm: F32 | None
     output: F32 | None
     tensor_names: frozenset[str]
+
+
+@attrs.frozen(eq=False)
+class QuantizedTensor:
+    """A 2-D tensor as the file stores it: ``shape[0]`` rows of GGUF blocks.
+
+    ``data`` is a read-only ``uint8`` view of the mapped file, one row of blocks per output row
+    (``shape`` is ``(out, in)``, like the dequantized matrices); ``qtype`` is the GGML type
+    name (``"Q4_1"``, ``"Q8_0"``, ``"F32"``...).
+    """
+
+    name: str
+    qtype: str
+    shape: tuple[int, int]
+    data: npt.NDArray[np.uint8]
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> Any:
@@ -252,7 +274,26 @@ class ModelFile:
             raise _unsupported_type(self.path, name, t.tensor_type) from exc
         return np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
 
-    def load_weights(self, lo: int, hi: int, *, embeddings: bool, head: bool) -> StageWeights:
+    def quantized(self, name: str) -> QuantizedTensor:
+        """The 2-D tensor ``name`` in its stored blocks, for backends with their own kernels."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelError(f"{self.path.name} has no tensor {name!r}.")
+        if len(t.shape) != 2:
+            raise ModelError(f"{name!r} in {self.path.name} is not a matrix (shape {t.shape}).")
+        rows, cols = int(t.shape[1]), int(t.shape[0])
+        data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+        return QuantizedTensor(name=name, qtype=t.tensor_type.name, shape=(rows, cols), data=data)
+
+    def load_tensor(self, name: str) -> F32:
+        """Dequantize one tensor to float32 (a matrix as ``(out, in)``)."""
+        if name not in self._tensors:
+            raise ModelError(f"{self.path.name} has no tensor {name!r}.")
+        return self._tensor(name)
+
+    def load_weights(
+        self, lo: int, hi: int, *, embeddings: bool, head: bool, blocks: bool = True
+    ) -> StageWeights:
         """Dequantize the weights of blocks ``lo..hi-1`` and, if asked, the model's ends.
 
         Args:
@@ -260,6 +301,8 @@ class ModelFile:
             hi: last block, exclusive.
             embeddings: load ``token_embd`` (the first stage needs it).
             head: load the output norm and head (the last stage needs them).
+            blocks: False loads only the ends (``layers`` is then empty), for a backend that
+                reads the blocks in their stored form (`quantized`).
         """
         self.check_layers(lo, hi)
         loaded: list[str] = []
@@ -271,6 +314,7 @@ class ModelFile:
         layers = tuple(
             LayerWeights(*(get(f"blk.{i}.{t}.weight") for t in _LAYER_TENSORS))
             for i in range(lo, hi)
+            if blocks
         )
         tied = self.config.tied_output
         embd = get("token_embd.weight") if embeddings or (head and tied) else None

@@ -40,6 +40,7 @@ def write_tiny_model(
     tied_output: bool = True,
     architecture: str = "llama",
     context_length: int = 512,
+    weights: str = "F32",
 ) -> pathlib.Path:
     """Write a small llama GGUF file with seeded random F32 weights and return its path.
 
@@ -49,9 +50,19 @@ def write_tiny_model(
             SmolLM2; False writes a separate head.
         architecture: ``general.architecture``; anything but ``llama`` makes a file that
             ``open_model`` must refuse (for tests).
+        weights: the GGML type of the block matrices: ``F32`` (default), or a type
+            ``gguf.quants`` can quantize (``Q4_0``, ``Q4_1``, ``Q8_0``...) for backends that
+            read the blocks as stored. Norms and embeddings stay F32.
     """
     if d_model % n_heads or n_heads % n_kv_heads or (d_model // n_heads) % 2:
         raise ValueError("d_model must split into an even head_dim, and heads into KV groups.")
+    try:
+        qtype = gguf.GGMLQuantizationType[weights]
+    except KeyError:
+        raise ValueError(f"unknown GGML type {weights!r}.") from None
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if qtype != gguf.GGMLQuantizationType.F32 and (d_model % block or d_ff % block):
+        raise ValueError(f"{weights} needs d_model and d_ff to be multiples of {block}.")
     path = pathlib.Path(path)
     head_dim = d_model // n_heads
     byte_tokens = [bytes_to_unicode()[b] for b in range(256)]
@@ -68,7 +79,9 @@ def write_tiny_model(
 
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_name("tiny-random-llama")
-    writer.add_file_type(0)  # all F32
+    file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{weights}"
+    if file_type in gguf.LlamaFileType.__members__:
+        writer.add_file_type(gguf.LlamaFileType[file_type])
     writer.add_block_count(n_layers)
     writer.add_context_length(context_length)
     writer.add_embedding_length(d_model)
@@ -89,17 +102,23 @@ def write_tiny_model(
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
 
+    def add_matrix(name: str, m: npt.NDArray[np.float32]) -> None:
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, m)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
+
     writer.add_tensor("token_embd.weight", rng.standard_normal((vocab, d_model)).astype(np.float32))
     for i in range(n_layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", gain(d_model))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", matrix(n_heads * head_dim, d_model))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", matrix(n_kv_heads * head_dim, d_model))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", matrix(n_kv_heads * head_dim, d_model))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", matrix(d_model, n_heads * head_dim))
+        add_matrix(f"blk.{i}.attn_q.weight", matrix(n_heads * head_dim, d_model))
+        add_matrix(f"blk.{i}.attn_k.weight", matrix(n_kv_heads * head_dim, d_model))
+        add_matrix(f"blk.{i}.attn_v.weight", matrix(n_kv_heads * head_dim, d_model))
+        add_matrix(f"blk.{i}.attn_output.weight", matrix(d_model, n_heads * head_dim))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", gain(d_model))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(d_ff, d_model))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", matrix(d_ff, d_model))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", matrix(d_model, d_ff))
+        add_matrix(f"blk.{i}.ffn_gate.weight", matrix(d_ff, d_model))
+        add_matrix(f"blk.{i}.ffn_up.weight", matrix(d_ff, d_model))
+        add_matrix(f"blk.{i}.ffn_down.weight", matrix(d_model, d_ff))
     writer.add_tensor("output_norm.weight", gain(d_model))
     if not tied_output:
         writer.add_tensor("output.weight", matrix(vocab, d_model))

@@ -1,6 +1,7 @@
-"""A PyTorch compute backend for stagerun (backend name ``torch``)."""
+"""A PyTorch compute backend for stagerun (backends ``torch`` and ``torch-int4``)."""
 
 from ._backend import TorchBackend as TorchBackend
+from ._backend import TorchInt4Backend as TorchInt4Backend
 from ._backend import TorchKVCache as TorchKVCache
 
-__all__ = ["TorchBackend", "TorchKVCache"]
+__all__ = ["TorchBackend", "TorchInt4Backend", "TorchKVCache"]

@@ -23,24 +23,38 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from stagerun import ComputeCancelled
+from stagerun import ComputeCancelled, UnsupportedModelError
 from stagerun.abc import ComputeBackend
 from stagerun.backends import check_positions, stage_input
-from stagerun.model import LayerWeights, ModelFile, open_model
+from stagerun.model import (
+    LayerWeights,
+    ModelFile,
+    QuantizedTensor,
+    fuse_layer,
+    open_model,
+    qk_row_order,
+)
 
-__all__ = ["TorchBackend", "TorchKVCache"]
+__all__ = ["TorchBackend", "TorchInt4Backend", "TorchKVCache"]
 
 DEVICE_ENV = "STAGERUN_TORCH_DEVICE"
 DTYPE_ENV = "STAGERUN_TORCH_DTYPE"
+WEIGHTS_ENV = "STAGERUN_TORCH_WEIGHTS"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CHUNK = 256  # first KV allocation, in tokens
+_PACK_ROWS = 4  # oneDNN's reorder takes a batch-size hint: a verify window
+_GROUP = 32  # weights per GGUF 4-bit block, and per int4 kernel group
+_Q4_BLOCK = {"Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 weights
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_reorder_linear_weight"
+)
 
 
 def default_device() -> str:
@@ -91,13 +105,131 @@ class TorchKVCache:
             setattr(self, name, new)
 
 
-class _Layer:
-    __slots__ = ("w_down", "w_gu", "w_o", "w_qkv")
+def _host(array: npt.NDArray[Any]) -> torch.Tensor:
+    """A float32 CPU tensor of ``array``, copied if it is a read-only view of the GGUF map."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.from_numpy(array)
+
+
+class _Dense:
+    """``x @ W.T`` with ``torch.nn.functional.linear`` (CUDA, or a CPU torch without oneDNN)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class _OneDNN:
+    """``x @ W.T`` on the CPU with the weight reordered once for oneDNN.
+
+    Without the reorder each call repacks the whole matrix (torch's MKL path does the same, and
+    on AMD CPUs MKL takes a slow code path besides): a 4-token window over the default model
+    costs 67 ms through ``F.linear`` and 29 ms prepacked.
+    """
+
+    __slots__ = ("dtype", "weight")
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), _PACK_ROWS)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.weight, None, "none", [], "")
+        return y.float()
+
+
+class _Int4:
+    """``x @ W.T`` straight from the GGUF's 4-bit blocks (Q4_0 or Q4_1, 32 weights a block).
+
+    A block stores ``w = d * q + m`` (Q4_1; Q4_0 is ``d * (q - 8)``) with ``q`` in 0..15;
+    torch's int4 CPU kernel computes ``(q - 8) * scale + zero`` per 32-column group, so
+    ``scale = d`` and ``zero = m + 8 d`` reproduce the file's weights (rounded to bfloat16 for
+    the kernel). The kernel takes bfloat16 rows; the result is returned as float32.
+    """
+
+    __slots__ = ("n_in", "packed", "scales_zeros")
 
     def __init__(
-        self, w_qkv: torch.Tensor, w_o: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor
+        self,
+        rows: npt.NDArray[np.int32],
+        scale: npt.NDArray[np.float32],
+        zero: npt.NDArray[np.float32],
+    ) -> None:
+        self.n_in = rows.shape[1]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.from_numpy(np.ascontiguousarray(rows)), 1
+        )
+        sz = np.stack([scale.T, zero.T], axis=-1)  # [in / 32, out, 2]
+        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, _GROUP, self.scales_zeros
+        )
+        return y.float()
+
+
+_Matrix = _Dense | _OneDNN | _Int4
+
+
+_Q4 = tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]
+
+
+def _unpack_q4(
+    t: QuantizedTensor, rows: npt.NDArray[np.intp] | None = None, *, scale: float = 1.0
+) -> _Q4:
+    """``(q, scale, zero)`` of a Q4_0/Q4_1 tensor, rows reordered by ``rows``, scaled by ``scale``.
+
+    ``q`` is ``[out, in]`` in 0..15; ``scale`` and ``zero`` are ``[out, in / 32]``.
+    """
+    if t.qtype not in _Q4_BLOCK:
+        raise UnsupportedModelError(
+            f"the torch backend's int4 weights need Q4_0 or Q4_1 tensors; {t.name} is "
+            f"{t.qtype}. Use the float weights (backend 'torch') for this model."
+        )
+    out, n_in = t.shape
+    blocks = t.data if rows is None else t.data[rows]
+    blocks = blocks.reshape(out, n_in // _GROUP, _Q4_BLOCK[t.qtype])
+    f = np.float32(scale)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32) * f
+    if t.qtype == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) * f
+        qs = blocks[..., 4:]
+        zero = m + np.float32(8) * d
+    else:
+        qs = blocks[..., 2:]
+        zero = np.zeros_like(d)
+    # Each block's 16 bytes hold weights 0..15 in the low nibbles and 16..31 in the high ones.
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, n_in).astype(np.int32)
+    return q, d, zero
+
+
+def _int4(*parts: _Q4) -> _Int4:
+    """One `_Int4` whose output rows are those of ``parts`` in order (fused projections)."""
+    q, d, zero = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    return _Int4(q, d, zero)
+
+
+class _Layer:
+    __slots__ = ("attn_norm", "ffn_norm", "w_down", "w_gu", "w_o", "w_qkv")
+
+    def __init__(
+        self,
+        w_qkv: _Matrix,
+        w_o: _Matrix,
+        w_gu: _Matrix,
+        w_down: _Matrix,
+        attn_norm: torch.Tensor | None = None,
+        ffn_norm: torch.Tensor | None = None,
     ) -> None:
         self.w_qkv, self.w_o, self.w_gu, self.w_down = w_qkv, w_o, w_gu, w_down
+        self.attn_norm, self.ffn_norm = attn_norm, ffn_norm
 
 
 class TorchBackend(ComputeBackend):
@@ -110,7 +242,12 @@ class TorchBackend(ComputeBackend):
         device: ``cpu``, ``cuda``, ``cuda:1``...; default `default_device()`.
         dtype: ``float32`` (default, ``$STAGERUN_TORCH_DTYPE``), or ``float16``/``bfloat16``
             on CUDA.
+        weights: ``float`` (default, ``$STAGERUN_TORCH_WEIGHTS``): dequantized to ``dtype``;
+            ``int4`` (CPU only): the GGUF's own Q4_0/Q4_1 blocks through torch's int4 kernel,
+            with bfloat16 matmul inputs; the backend ``torch-int4`` is this setting.
     """
+
+    default_weights: ClassVar[str] = "float"
 
     def __init__(
         self,
@@ -120,6 +257,7 @@ class TorchBackend(ComputeBackend):
         threads: int | None = None,
         device: str | None = None,
         dtype: str | None = None,
+        weights: str | None = None,
     ) -> None:
         self.model = model if isinstance(model, ModelFile) else open_model(model)
         c = self.model.config
@@ -136,17 +274,32 @@ class TorchBackend(ComputeBackend):
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype_name!r}.")
         if dtype_name != "float32" and self.device.type == "cpu":
             raise ValueError(
-                f"{dtype_name} is for CUDA; on the CPU the torch backend runs float32."
+                f"{dtype_name} is for CUDA; on the CPU the torch backend runs float32 "
+                "(or int4 weights: backend 'torch-int4')."
             )
         self.dtype = _DTYPES[dtype_name]
+        self.weights = weights or os.environ.get(WEIGHTS_ENV) or self.default_weights
+        if self.weights not in ("float", "int4"):
+            raise ValueError(f"weights must be 'float' or 'int4', not {self.weights!r}.")
+        if self.weights == "int4" and self.device.type != "cpu":
+            raise ValueError(
+                f"int4 weights run on the CPU only; on {self.device} use float weights "
+                "(dtype float16 or bfloat16 to halve the memory)."
+            )
         self._lo, self._hi = lo, hi
-        w = self.model.load_weights(lo, hi, embeddings=lo == 0, head=hi == c.n_layers)
+        w = self.model.load_weights(
+            lo, hi, embeddings=lo == 0, head=hi == c.n_layers, blocks=self.weights == "float"
+        )
         with torch.inference_mode():
-            self._layers = [self._pack_layer(lw) for lw in w.layers]
+            if self.weights == "int4":
+                self._layers = [self._int4_layer(i) for i in range(lo, hi)]
+            else:
+                self._layers = [self._float_layer(lw) for lw in w.layers]
             self._embd = self._tensor(w.token_embd) if w.token_embd is not None else None
-            self._head = None
+            self._head: _Matrix | None = None
             if w.output is not None and w.output_norm is not None:
-                self._head = self._tensor(w.output * w.output_norm[None, :])
+                head_dtype = torch.bfloat16 if self.weights == "int4" else self.dtype
+                self._head = self._matrix(w.output * w.output_norm[None, :], head_dtype)
             hd, half = c.head_dim, c.head_dim // 2
             inv_freq = 1.0 / (c.rope_base ** (np.arange(half, dtype=np.float64) * 2.0 / hd))
             angles = np.arange(c.context_length, dtype=np.float64)[:, None] * inv_freq[None, :]
@@ -155,30 +308,41 @@ class TorchBackend(ComputeBackend):
         self._eps = c.rms_eps
 
     def _tensor(self, array: npt.NDArray[Any]) -> torch.Tensor:
-        array = np.ascontiguousarray(array, dtype=np.float32)
-        if not array.flags.writeable:  # a view of the mapped GGUF file: torch wants its own
-            array = array.copy()
-        return torch.from_numpy(array).to(self.device, self.dtype)
+        return _host(array).to(self.device, self.dtype)
 
-    def _pack_layer(self, lw: LayerWeights) -> _Layer:
+    def _matrix(self, w: npt.NDArray[np.float32], dtype: torch.dtype) -> _Matrix:
+        if self.device.type == "cpu" and _HAS_ONEDNN:
+            return _OneDNN(_host(w), dtype)
+        return _Dense(self._tensor(w))
+
+    def _float_layer(self, lw: LayerWeights) -> _Layer:
+        f = fuse_layer(lw, self.config)
+        return _Layer(*(self._matrix(m, self.dtype) for m in (f.qkv, f.wo, f.gate_up, f.down)))
+
+    def _int4_layer(self, i: int) -> _Layer:
         c = self.config
-        hd = c.head_dim
-        perm = np.concatenate([np.arange(0, hd, 2), np.arange(1, hd, 2)])
-
-        def halves(m: npt.NDArray[np.float32], heads: int) -> npt.NDArray[np.float32]:
-            return m.reshape(heads, hd, -1)[:, perm, :].reshape(heads * hd, -1)
-
-        wq = halves(lw.wq, c.n_heads) * np.float32(1.0 / np.sqrt(hd))
-        qkv = np.concatenate([wq, halves(lw.wk, c.n_kv_heads), lw.wv]) * lw.attn_norm[None, :]
-        gu = np.concatenate([lw.w_gate, lw.w_up]) * lw.ffn_norm[None, :]
+        q = self.model.quantized
+        name = f"blk.{i}.{{}}.weight".format
+        qkv = _int4(
+            _unpack_q4(q(name("attn_q")), qk_row_order(c, c.n_heads), scale=c.head_dim**-0.5),
+            _unpack_q4(q(name("attn_k")), qk_row_order(c, c.n_kv_heads)),
+            _unpack_q4(q(name("attn_v"))),
+        )
+        gu = _int4(_unpack_q4(q(name("ffn_gate"))), _unpack_q4(q(name("ffn_up"))))
+        norms = [self._tensor(self.model.load_tensor(name(n))) for n in ("attn_norm", "ffn_norm")]
         return _Layer(
-            self._tensor(qkv), self._tensor(lw.wo), self._tensor(gu), self._tensor(lw.w_down)
+            qkv,
+            _int4(_unpack_q4(q(name("attn_output")))),
+            gu,
+            _int4(_unpack_q4(q(name("ffn_down")))),
+            *norms,
         )
 
     def __repr__(self) -> str:
         return (
             f"<TorchBackend layers=[{self._lo}, {self._hi}) of {self.config.n_layers} "
-            f"device={self.device} dtype={str(self.dtype).removeprefix('torch.')}>"
+            f"device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
+            f"weights={self.weights}>"
         )
 
     @property
@@ -232,18 +396,26 @@ class TorchBackend(ComputeBackend):
             self._check_position(cache, position, n)
             cache.trim(position)
             cache.reserve(position + n)
+            end = position + n
+            cos = self._cos[position:end, None, :]
+            sin = self._sin[position:end, None, :]
+            mask = None
+            if n > 1:  # row t sees the cache and new rows up to itself
+                mask = torch.arange(end, device=h.device)[None, :] <= (
+                    position + torch.arange(n, device=h.device)[:, None]
+                )
             for i, layer in enumerate(self._layers):
                 if should_stop is not None and should_stop():
                     raise ComputeCancelled(
                         f"compute at position {position} stopped before layer {self._lo + i}."
                     )
-                h = self._block(layer, i, cache, position, h)
-            cache.length = position + n
+                h = self._block(layer, i, cache, position, h, cos, sin, mask)
+            cache.length = end
             if self._head is None:
                 out = h
             else:
                 rows = h if logits == "all" else h[-1:]
-                out = F.linear(self._norm(rows), self._head)
+                out = self._head(self._norm(rows))
             return out.to("cpu", torch.float32).numpy()
 
     def _input(self, tokens: object, hidden: object) -> torch.Tensor:
@@ -270,40 +442,43 @@ class TorchBackend(ComputeBackend):
             raise ValueError("this KV cache was made by a backend with another layer range.")
         check_positions(cache.length, position, n, c.context_length)
 
-    def _norm(self, h: torch.Tensor) -> torch.Tensor:
-        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self._eps)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    def _norm(self, h: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
+        return F.rms_norm(h, (h.shape[-1],), gain, self._eps)
 
     def _block(
-        self, layer: _Layer, i: int, cache: TorchKVCache, pos: int, h: torch.Tensor
+        self,
+        layer: _Layer,
+        i: int,
+        cache: TorchKVCache,
+        pos: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         c = self.config
         n, hd, n_kv, n_heads = h.shape[0], c.head_dim, c.n_kv_heads, c.n_heads
-        end = pos + n
-        qkv = F.linear(self._norm(h), layer.w_qkv)
-        cos = self._cos[pos:end, None, :]
-        sin = self._sin[pos:end, None, :]
-        q = self._rope(qkv[:, : n_heads * hd].view(n, n_heads, hd), cos, sin)
-        k = self._rope(qkv[:, n_heads * hd : (n_heads + n_kv) * hd].view(n, n_kv, hd), cos, sin)
-        v = qkv[:, (n_heads + n_kv) * hd :].view(n, n_kv, hd)
-        cache.k[i, :, pos:end] = k.transpose(0, 1)
-        cache.v[i, :, pos:end] = v.transpose(0, 1)
+        end, half = pos + n, hd // 2
+        qkv = layer.w_qkv(self._norm(h, layer.attn_norm)).view(n, n_heads + 2 * n_kv, hd)
+        # RoPE on the Q and K heads at once: their rows are in halves order (fuse_layer)
+        qk = qkv[:, : n_heads + n_kv]
+        x1, x2 = qk[..., :half], qk[..., half:]
+        qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        cache.k[i, :, pos:end] = qk[:, n_heads:].transpose(0, 1)
+        cache.v[i, :, pos:end] = qkv[:, n_heads + n_kv :].transpose(0, 1)
         keys = cache.k[i, :, :end].unsqueeze(0)  # [1, n_kv, L, hd]
         values = cache.v[i, :, :end].unsqueeze(0)
-        query = q.transpose(0, 1).unsqueeze(0)  # [1, n_heads, T, hd]
-        mask = None
-        if n > 1:
-            mask = torch.arange(end, device=h.device)[None, :] <= (
-                pos + torch.arange(n, device=h.device)[:, None]
-            )
+        query = qk[:, :n_heads].transpose(0, 1).unsqueeze(0)  # [1, n_heads, T, hd]
         attn = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=1.0, enable_gqa=n_heads != n_kv
         )
-        h = h + F.linear(attn[0].transpose(0, 1).reshape(n, n_heads * hd), layer.w_o)
-        gu = F.linear(self._norm(h), layer.w_gu)
+        h = h + layer.w_o(attn[0].transpose(0, 1).reshape(n, n_heads * hd))
+        gu = layer.w_gu(self._norm(h, layer.ffn_norm))
         g, u = gu[:, : c.d_ff], gu[:, c.d_ff :]
-        return h + F.linear(F.silu(g) * u, layer.w_down)
+        return h + layer.w_down(F.silu(g) * u)
+
+
+class TorchInt4Backend(TorchBackend):
+    """`TorchBackend` with ``weights="int4"``: the GGUF's 4-bit blocks on the CPU."""
+
+    default_weights: ClassVar[str] = "int4"

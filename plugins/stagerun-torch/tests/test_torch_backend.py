@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
-from stagerun_torch import TorchBackend
+from stagerun_torch import TorchBackend, TorchInt4Backend
+from stagerun_torch._backend import _unpack_q4
 
 from stagerun import ComputeCancelled, plugins
 from stagerun.backends import NumpyBackend
@@ -23,9 +29,50 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelFile:
     return open_model(write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf"))
 
 
-def test_registered_as_the_torch_backend() -> None:
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1"])
+def tiny_q4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ModelFile:
+    path = tmp_path_factory.mktemp("tiny") / f"tiny-{request.param}.gguf"
+    return open_model(write_tiny_model(path, weights=request.param))
+
+
+def test_registered_as_the_torch_backends() -> None:
     plugins.refresh()
     assert plugins.backend("torch") is TorchBackend
+    assert plugins.backend("torch-int4") is TorchInt4Backend
+
+
+def test_int4_blocks_unpack_to_the_dequantized_weights(tiny_q4: ModelFile) -> None:
+    for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
+        q, scale, zero = _unpack_q4(tiny_q4.quantized(name))
+        group = np.repeat(np.arange(scale.shape[1]), 32)
+        rebuilt = (q - 8) * scale[:, group] + zero[:, group]
+        np.testing.assert_allclose(rebuilt, tiny_q4.load_tensor(name), rtol=0, atol=1e-6)
+
+
+def test_int4_passes_the_backend_conformance_suite(tiny_q4: ModelFile) -> None:
+    check_backend(lambda model, layers, threads=None: TorchInt4Backend(model, layers), tiny_q4)
+
+
+def test_int4_agrees_with_numpy_on_the_same_blocks(tiny_q4: ModelFile) -> None:
+    ids = list(range(5, 40))
+    want = NumpyBackend(tiny_q4).forward(
+        NumpyBackend(tiny_q4).new_cache(), 0, tokens=ids, logits="all"
+    )
+    int4 = TorchInt4Backend(tiny_q4)
+    got = int4.forward(int4.new_cache(), 0, tokens=ids, logits="all")
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+def test_int4_refuses_other_block_types_and_devices(tiny: ModelFile) -> None:
+    from stagerun import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"need Q4_0 or Q4_1 .* is F32"):
+        TorchInt4Backend(tiny)
+    with pytest.raises(ValueError, match="int4 weights run on the CPU only"):
+        TorchBackend(tiny, device="cuda", weights="int4")
+    with pytest.raises(ValueError, match="weights must be 'float' or 'int4'"):
+        TorchBackend(tiny, weights="int8")
 
 
 def test_passes_the_backend_conformance_suite(tiny: ModelFile) -> None:
@@ -60,6 +107,21 @@ def test_float32_logits_match_numpy_on_the_default_model(smollm2: ModelFile) -> 
         relative = np.abs(got - want).max() / np.abs(want).max()
         assert relative < 1e-3, (prompt, relative)
         assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.slow
+def test_int4_logits_agree_with_numpy_on_the_default_model(smollm2: ModelFile) -> None:
+    """The llama.cpp bar: correlation >= 0.999 and top-1 on >= 95% of positions."""
+    int4 = TorchInt4Backend(smollm2)
+    numpy_backend = NumpyBackend(smollm2)
+    got, want = [], []
+    for prompt in PROMPTS:
+        ids = smollm2.tokenizer.encode(prompt)
+        want.append(numpy_backend.forward(numpy_backend.new_cache(), 0, tokens=ids, logits="all"))
+        got.append(int4.forward(int4.new_cache(), 0, tokens=ids, logits="all"))
+    g, w = np.concatenate(got), np.concatenate(want)
+    assert np.corrcoef(g.ravel(), w.ravel())[0, 1] >= 0.999
+    assert (g.argmax(-1) == w.argmax(-1)).mean() >= 0.95
 
 
 @pytest.mark.slow
@@ -126,3 +188,19 @@ def test_stage_command_takes_a_device(tiny: ModelFile) -> None:
         ["generate", "x", "--backends", "numpy,torch", "--device", "cpu"]
     )
     assert args.device == "cpu" and args.backends == ("numpy", "torch")
+
+
+@pytest.mark.slow
+def test_the_cuda_smoke_script_runs_its_checks_on_the_cpu() -> None:
+    """The GPU script's logic, run where CI can run it; on a GPU host it takes no argument."""
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "cuda_smoke.sh"
+    done = subprocess.run(
+        ["bash", str(script), "cpu"],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "float32: relative difference" in done.stdout
+    assert done.stdout.rstrip().endswith("SMOKE OK on cpu")
