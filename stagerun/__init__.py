@@ -13,6 +13,7 @@ from ._errors import LayerRangeError as LayerRangeError
 from ._errors import ModelError as ModelError
 from ._errors import ModelNotFoundError as ModelNotFoundError
 from ._errors import ProtocolError as ProtocolError
+from ._errors import RecoveryFailedError as RecoveryFailedError
 from ._errors import StageError as StageError
 from ._errors import StagerunError as StagerunError
 from ._errors import UnsupportedModelError as UnsupportedModelError
@@ -23,12 +24,14 @@ from ._launch import split_layers as split_layers
 from ._pipeline import Completion as Completion
 from ._pipeline import GenerationStream as GenerationStream
 from ._pipeline import Pipeline as Pipeline
+from ._pipeline import RecoveryPolicy as RecoveryPolicy
 from ._pipeline import StageHealth as StageHealth
 from ._pipeline import StageInfo as StageInfo
 from ._pipeline import TokenChunk as TokenChunk
 from ._proto import SamplingParams as SamplingParams
 from ._stage import StageServer as StageServer
 from ._stage import serve_stage as serve_stage
+from ._supervise import SupervisionPolicy as SupervisionPolicy
 
 __version__ = "0.1.0"
 
@@ -47,12 +50,15 @@ __all__ = [
     "ModelNotFoundError",
     "Pipeline",
     "ProtocolError",
+    "RecoveryFailedError",
+    "RecoveryPolicy",
     "SamplingParams",
     "StageError",
     "StageHealth",
     "StageInfo",
     "StageServer",
     "StagerunError",
+    "SupervisionPolicy",
     "TokenChunk",
     "UnsupportedModelError",
     "__version__",

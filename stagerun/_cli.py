@@ -91,6 +91,39 @@ def _plugin_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _reliability_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=None,
+        metavar="SECS",
+        help="how long a request waits for a failed stage to come back before it fails "
+        "(default $STAGERUN_RECOVERY_TIMEOUT_SECS or 60; 0 fails at the first lane failure)",
+    )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="do not restart local stage processes that die (default: restart with backoff)",
+    )
+
+
+def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(RecoveryPolicy, SupervisionPolicy) for ``--recovery-timeout`` and ``--no-restart``."""
+    from ._pipeline import RecoveryPolicy
+    from ._supervise import SupervisionPolicy
+
+    timeout = getattr(args, "recovery_timeout", None)
+    if timeout is None:
+        recovery = RecoveryPolicy()
+    elif timeout < 0:
+        raise ValueError(f"--recovery-timeout must not be negative, got {timeout:g}")
+    elif timeout == 0:
+        recovery = RecoveryPolicy.disabled()
+    else:
+        recovery = RecoveryPolicy(timeout=timeout)
+    return recovery, SupervisionPolicy(restart=not getattr(args, "no_restart", False))
+
+
 def _link_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hop-delay-ms",
@@ -157,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_pipeline_options(gen)
+    _reliability_options(gen)
     _sampling_options(gen)
     _speculation_options(gen)
     _link_options(gen)
@@ -202,6 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     _link_options(spec)
 
     sub.add_parser("models", help="list the models stagerun can find by name")
+
+    recovery = bench_sub.add_parser(
+        "recovery", help="kill -9 a stage mid-generation: detection, restart, replay times"
+    )
+    recovery.add_argument("--stages", type=int, default=3)
+    recovery.add_argument("--victim", type=int, default=1, help="stage to kill (default 1)")
+    recovery.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
+    recovery.add_argument("--kill-at", type=int, default=48, help="kill after this many tokens")
+    recovery.add_argument("--rounds", type=int, default=3)
+    recovery.add_argument("--json", action="store_true")
+    _add_pipeline_options(recovery)
 
     transport = bench_sub.add_parser(
         "transport", help="frame round trip and decode tokens/s per transport"
@@ -264,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--inproc", action="store_true", help="run all stages in this process")
     _speculation_options(serve)
     _link_options(serve)
+    _reliability_options(serve)
     serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     _plugin_options(serve)
     serve.add_argument(
@@ -326,6 +372,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 async def _generate(args: argparse.Namespace) -> int:
     from ._launch import open_pipeline
 
+    recovery, supervision = recovery_from_args(args)
     if not args.json and args.stages > 1 and not args.inproc:
         print(f"stagerun: starting {args.stages} stages...", file=sys.stderr)
     async with open_pipeline(
@@ -343,6 +390,8 @@ async def _generate(args: argparse.Namespace) -> int:
         hop_delay_ms=args.hop_delay_ms,
         bandwidth_mbps=args.bandwidth_mbps,
         speculation=speculation_from_args(args),
+        recovery=recovery,
+        supervision=supervision,
     ) as pipeline:
 
         def show(chunk: Any) -> None:

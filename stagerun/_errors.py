@@ -35,6 +35,10 @@ class LaneError(StagerunError):
     """A lane to a downstream stage failed."""
 
 
+class RecoveryFailedError(LaneError):
+    """A request lost its lane and could not get a working one back within its budget."""
+
+
 class LaneHandshakeError(LaneError):
     """A lane could not be opened: connect failed, or the peer never said READY."""
 

@@ -180,8 +180,11 @@ class Lane:
         return self.forward.is_live() and self.back.is_live()
 
     async def aclose_forcefully(self) -> None:
-        await self.forward.aclose_forcefully()
-        await self.back.aclose_forcefully()
+        # Shielded: in a cancelled context the first close's checkpoint would raise
+        # Cancelled and leave the second connection open.
+        with trio.CancelScope(shield=True):
+            await self.forward.aclose_forcefully()
+            await self.back.aclose_forcefully()
 
 
 class LanePool:
@@ -317,6 +320,20 @@ class LanePool:
             return
         self.replaced += 1
         log.info("lane %d replaced by lane %d", retired_lane_id, lane.id)
+        self._idle.append(lane)
+
+    async def ensure_idle_lane(self) -> None:
+        """Make sure a live lane waits on the stack, connecting one if none does.
+
+        Raises:
+            LaneError: no lane could be connected (with the short deadlines).
+        """
+        for lane in list(self._idle):
+            if lane.is_live():
+                return
+            self._idle.remove(lane)
+            await lane.aclose_forcefully()
+        lane = await self.connect_lane(self.steady_timeout, self.steady_timeout)
         self._idle.append(lane)
 
     async def aclose(self) -> None:

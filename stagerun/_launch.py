@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Literal
@@ -23,9 +21,10 @@ from . import _proto, plugins
 from ._errors import StageError
 from ._framed import LinkEmulation
 from ._lanes import LanePool
-from ._pipeline import DEFAULT_PREFILL_CHUNK, Pipeline, StageInfo
+from ._pipeline import DEFAULT_PREFILL_CHUNK, Pipeline, RecoveryPolicy, StageInfo
 from ._speculative import SpeculationConfig
 from ._stage import serve_stage
+from ._supervise import StageProcess, SupervisionPolicy, stage_command
 from ._util import single_exceptions
 from .model import ModelFile, open_model
 
@@ -83,6 +82,9 @@ async def open_pipeline(
     backend: str = "numpy",
     backends: Sequence[str] | None = None,
     device: str | None = None,
+    recovery: RecoveryPolicy | None = None,
+    supervision: SupervisionPolicy | None = None,
+    reply_timeout: float | None = None,
 ) -> AsyncIterator[Pipeline]:
     """Start (or join) a pipeline and yield a `Pipeline` to run requests on.
 
@@ -110,6 +112,12 @@ async def open_pipeline(
         backends: one backend per stage instead, stage 0 first (any mix).
         device: the compute device (``cuda``, ``cuda:1``, ``cpu``) for the stages whose backend
             takes one (torch); None lets each backend choose.
+        recovery: how a request survives a lane failure (default `RecoveryPolicy()`: up to
+            3 failures, 60 s each; ``RecoveryPolicy.disabled()`` fails at the first).
+        supervision: restart and liveness settings for the stage processes started here
+            (``mode="processes"``; default `SupervisionPolicy()`).
+        reply_timeout: seconds stage 0 waits for a reply before the lane counts as broken
+            (default ``$STAGERUN_STAGE_REPLY_TIMEOUT_SECS`` or 30).
     """
     if hop_delay_ms < 0:
         raise ValueError(f"hop_delay_ms must not be negative, got {hop_delay_ms}")
@@ -195,7 +203,7 @@ async def open_pipeline(
                         )
                         started.append(StageInfo(index, ranges[index], address, os.getpid()))
                     else:
-                        address, pid = await _spawn_stage(
+                        process = await _spawn_stage(
                             nursery,
                             model_file,
                             index,
@@ -207,15 +215,23 @@ async def open_pipeline(
                             stage_backends[index],
                             device_for(stage_backends[index]),
                             link,
+                            supervision or SupervisionPolicy(),
                         )
-                        started.append(StageInfo(index, ranges[index], address, pid))
+                        address = process.address
+                        started.append(
+                            StageInfo(index, ranges[index], address, process.pid, process=process)
+                        )
                     downstream = address
                 infos += reversed(started)
                 addresses = [s.address for s in infos[1:] if s.address is not None]
             pool = None
             if addresses:
                 pool = LanePool(
-                    addresses[0], last_stage=addresses[-1], capacity=capacity, link=link
+                    addresses[0],
+                    last_stage=addresses[-1],
+                    capacity=capacity,
+                    link=link,
+                    reply_timeout=reply_timeout,
                 )
                 await pool.start()
             pipeline = Pipeline(
@@ -226,6 +242,7 @@ async def open_pipeline(
                 wire_dtype=wire_dtype,
                 prefill_chunk=prefill_chunk,
                 speculation=speculation,
+                recovery=recovery,
             )
             try:
                 yield pipeline
@@ -262,37 +279,25 @@ async def _spawn_stage(
     backend: str,
     device: str | None,
     link: LinkEmulation,
-) -> tuple[str, int]:
-    cmd = [
-        sys.executable, "-m", "stagerun", "stage",
+    policy: SupervisionPolicy,
+) -> StageProcess:
+    argv = [
         "--model", str(model.path),
         "--layers", f"{layers[0]}:{layers[1]}",
         "--index", str(index),
-        "--listen", listen,
         "--backend", backend,
         "--wire-dtype", wire_dtype,
     ]  # fmt: skip
     if downstream is not None:
-        cmd += ["--downstream", downstream]
+        argv += ["--downstream", downstream]
     if device is not None:
-        cmd += ["--device", device]
+        argv += ["--device", device]
     if threads is not None:
-        cmd += ["--threads", str(threads)]
+        argv += ["--threads", str(threads)]
     if link.delay_s:
-        cmd += ["--hop-delay-ms", repr(link.delay_s * 1000.0)]
+        argv += ["--hop-delay-ms", repr(link.delay_s * 1000.0)]
     if link.bandwidth_bytes_per_s:
-        cmd += ["--bandwidth-mbps", repr(link.bandwidth_bytes_per_s / 125_000.0)]
-    proc: trio.Process = await nursery.start(
-        lambda task_status: trio.run_process(  # noqa: ASYNC105 (awaited by nursery.start)
-            cmd,
-            stdout=subprocess.PIPE,
-            check=False,
-            # Its own session: a terminal's Ctrl-C reaches only the driver, which then stops
-            # the stages in order (a SIGINT in every process at once raced the shutdown).
-            start_new_session=True,
-            task_status=task_status,
-        )
-    )
-    with trio.fail_after(120):
-        address = await _read_ready_line(proc, index)
-    return address, proc.pid
+        argv += ["--bandwidth-mbps", repr(link.bandwidth_bytes_per_s / 125_000.0)]
+    process = StageProcess(index, stage_command(argv), listen, policy)
+    started: StageProcess = await nursery.start(process.run)
+    return started

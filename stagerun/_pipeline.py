@@ -12,6 +12,8 @@ pipelined verify windows instead (`stagerun._speculative`).
 
 from __future__ import annotations
 
+import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -23,7 +25,7 @@ import numpy as np
 import trio
 
 from . import _proto, plugins
-from ._errors import LaneError
+from ._errors import LaneError, RecoveryFailedError, StageError
 from ._lanes import Lane, LanePool, open_connection
 from ._sampling import sample_token
 from ._speculative import Drafter, SpeculationConfig, decode_speculative
@@ -33,6 +35,41 @@ from .abc import ComputeBackend
 from .model import ModelFile
 
 DEFAULT_PREFILL_CHUNK = 256
+
+log = logging.getLogger("stagerun.pipeline")
+
+
+@attrs.frozen
+class RecoveryPolicy:
+    """How a request survives a lane that breaks under it (see docs/reliability.md).
+
+    When a lane fails mid-request (a stage killed, a connection reset, a reply timeout), stage
+    0 waits ``backoff`` seconds (doubling up to ``max_backoff``), checks out a fresh lane --
+    which reaches the restarted stage -- and replays the committed tokens (prompt plus
+    everything already generated) as a prefill to rebuild every KV cache; decoding then goes
+    on where it stopped, and the caller sees one uninterrupted stream. Sampling depends only
+    on the seed and the position, so the continuation is the one the request would have had.
+
+    Args:
+        max_breaks: lane failures one request survives; the next one fails it.
+        timeout: seconds one recovery may take (waiting for the stage included) before the
+            request fails with `RecoveryFailedError`. Default
+            ``$STAGERUN_RECOVERY_TIMEOUT_SECS`` or 60.
+        backoff: first wait between attempts, in seconds.
+        max_backoff: the longest wait between attempts.
+    """
+
+    max_breaks: int = 3
+    timeout: float = attrs.field(
+        factory=lambda: float(os.environ.get("STAGERUN_RECOVERY_TIMEOUT_SECS", "60"))
+    )
+    backoff: float = 0.1
+    max_backoff: float = 0.5
+
+    @classmethod
+    def disabled(cls) -> RecoveryPolicy:
+        """Fail a request at its first lane failure."""
+        return cls(max_breaks=0)
 
 
 @attrs.frozen
@@ -63,6 +100,7 @@ class StageInfo:
     address: str | None  # None for stage 0 (this process)
     pid: int | None = None
     backend: str = "numpy"
+    process: Any = attrs.field(default=None, eq=False, repr=False)  # a supervised StageProcess
 
 
 @attrs.frozen
@@ -83,7 +121,10 @@ class StageHealth:
             "backend": self.stage.backend,
             "state": self.state,
         }
-        if self.stage.pid is not None:
+        if self.stage.process is not None:
+            out["process"] = self.stage.process.to_json()
+            out["pid"] = self.stage.process.pid
+        elif self.stage.pid is not None:
             out["pid"] = self.stage.pid
         if self.latency_ms is not None:
             out["latency_ms"] = round(self.latency_ms, 3)
@@ -113,8 +154,12 @@ class Pipeline:
         wire_dtype: _proto.ActivationDType,
         prefill_chunk: int,
         speculation: SpeculationConfig | None = None,
+        recovery: RecoveryPolicy | None = None,
     ) -> None:
         self.model = model
+        self.recovery = recovery or RecoveryPolicy()
+        self.recoveries = 0  # lane failures survived, over every request
+        self.recovery_failures = 0
         self.speculation = speculation or SpeculationConfig()
         self.config = model.config
         self.tokenizer = model.tokenizer
@@ -318,19 +363,31 @@ class Pipeline:
         async def compute(position: int, tokens: Sequence[int], logits: str) -> Any:
             return await self._compute0(cache, position, tokens, logits)  # type: ignore[arg-type]
 
-        async def decode(lane: Lane | None) -> tuple[float, bool]:
-            """Prefill, then decode; returns when the first token came and if EOG ended it."""
-            first = await self._first_token(lane, request_id, cache, prompt_ids, sampling)
-            t_first = time.perf_counter()
+        t_first: float | None = None
+
+        async def decode(lane: Lane | None) -> bool:
+            """Prefill the committed tokens, then decode; True if EOG ended generation.
+
+            A first call prefills the prompt; after a recovery the prompt and every token
+            generated so far are replayed, and decoding continues from there.
+            """
+            nonlocal t_first
+            context = [*prompt_ids, *generated]
+            replay_start = time.perf_counter()
+            first = await self._first_token(lane, request_id, cache, context, sampling)
+            if t_first is None:
+                t_first = time.perf_counter()
+            else:  # a recovery: the replay took this long
+                extra["recovery_replay_ms"] += (time.perf_counter() - replay_start) * 1000.0
             if first in eog:
-                return t_first, True
+                return True
             if await commit(first) or len(generated) >= max_tokens:
-                return t_first, False
+                return False
             if drafter is not None:
                 spec_timings, reason = await decode_speculative(
                     lane=lane,
                     request_id=request_id,
-                    history=[*prompt_ids, first],
+                    history=[*context, first],
                     prompt_len=len(prompt_ids),
                     max_tokens=max_tokens,
                     eog=eog,
@@ -341,30 +398,61 @@ class Pipeline:
                     wire_dtype=self.wire_dtype,
                     on_commit=commit,
                 )
-                extra.update(spec_timings)
-                return t_first, reason == "eog"
-            token, position = first, len(prompt_ids)
+                extra.update(spec_timings)  # after a recovery: the last stretch's figures
+                return reason == "eog"
+            token, position = first, len(context)
             while True:
                 token = await self._decode_step(lane, request_id, cache, token, position, sampling)
                 position += 1
                 if token in eog:
-                    return t_first, True
+                    return True
                 if await commit(token) or len(generated) >= max_tokens:
-                    return t_first, False
+                    return False
 
         if self.pool is None:
-            t_first, eog_stop = await decode(None)
+            eog_stop = await decode(None)
         else:
-            async with self.pool.checkout(request_id) as lane:
-                await lane.request_ack(
-                    _proto.Configure(
-                        request_id=request_id,
-                        return_key=lane.return_key,
-                        prompt_len=len(prompt_ids),
-                        sampling=sampling,
+            policy = self.recovery
+            breaks = 0
+            while True:
+                try:
+                    async with self.pool.checkout(request_id) as lane:
+                        await lane.request_ack(
+                            _proto.Configure(
+                                request_id=request_id,
+                                return_key=lane.return_key,
+                                prompt_len=len(prompt_ids),
+                                sampling=sampling,
+                            )
+                        )
+                        eog_stop = await decode(lane)
+                    break
+                except (LaneError, StageError) as exc:
+                    breaks += 1
+                    if breaks > policy.max_breaks:
+                        self.recovery_failures += 1
+                        if policy.max_breaks == 0:
+                            raise
+                        raise RecoveryFailedError(
+                            f"the pipeline failed {breaks} times during this request "
+                            f"(the limit is {policy.max_breaks}); last failure: {exc}"
+                        ) from exc
+                    log.warning(
+                        "request %d: lane failed after %d tokens (%s); recovering",
+                        request_id,
+                        len(generated),
+                        exc,
                     )
-                )
-                t_first, eog_stop = await decode(lane)
+                    started = time.perf_counter()
+                    await self._await_lane(policy, exc)
+                    extra["recoveries"] = breaks
+                    extra["recovery_wait_ms"] = extra.get("recovery_wait_ms", 0.0) + (
+                        (time.perf_counter() - started) * 1000.0
+                    )
+                    extra.setdefault("recovery_replay_ms", 0.0)
+                    self.recoveries += 1
+                    request_id = secrets.randbits(62)  # a new chain session on every stage
+        assert t_first is not None
         tail = assembler.flush(decoder.flush())
         if tail:
             await emit(TokenChunk(-1, tail))
@@ -390,6 +478,33 @@ class Pipeline:
             finish_reason=finish,
             timings=timings,
         )
+
+    async def _await_lane(self, policy: RecoveryPolicy, failure: Exception) -> None:
+        """Wait, with backoff, until a fresh lane through the whole pipeline opens.
+
+        The lane is returned to the pool, so the retried request checks it out at once.
+
+        Raises:
+            RecoveryFailedError: no lane opened within ``policy.timeout``.
+        """
+        assert self.pool is not None
+        delay = policy.backoff
+        last: Exception = failure
+        with trio.move_on_after(policy.timeout):
+            while True:
+                await trio.sleep(delay)
+                try:
+                    await self.pool.ensure_idle_lane()
+                except LaneError as exc:
+                    last = exc
+                    delay = min(delay * 2, policy.max_backoff)
+                    continue
+                return
+        self.recovery_failures += 1
+        raise RecoveryFailedError(
+            f"no working lane through the pipeline within {policy.timeout:g}s of a failure "
+            f"({failure}); last error: {last}"
+        ) from failure
 
     def _make_drafter(self, config: SpeculationConfig) -> Drafter:
         cls = plugins.drafter(config.drafter)

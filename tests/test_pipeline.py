@@ -14,7 +14,13 @@ import pytest
 import trio
 
 import stagerun
-from stagerun import SamplingParams, open_pipeline, split_layers
+from stagerun import (
+    RecoveryPolicy,
+    SamplingParams,
+    SupervisionPolicy,
+    open_pipeline,
+    split_layers,
+)
 from stagerun._errors import LaneError, StageError
 from stagerun.testing import write_tiny_model
 from stagerun.transports import parse_address
@@ -128,8 +134,15 @@ async def test_bad_layer_ranges_are_rejected(tiny: Path) -> None:
 
 
 async def test_separate_processes_match_and_a_killed_stage_fails_fast(tiny: Path) -> None:
+    """Without restarts or recovery, a dead stage fails the next request in seconds."""
     reference = await _greedy(tiny, 1)
-    async with open_pipeline(tiny, stages=3, mode="processes") as pipeline:
+    async with open_pipeline(
+        tiny,
+        stages=3,
+        mode="processes",
+        supervision=SupervisionPolicy(restart=False),
+        recovery=RecoveryPolicy.disabled(),
+    ) as pipeline:
         assert (await pipeline.complete(PROMPT, max_tokens=12)).token_ids == reference
         middle = pipeline.stages[1]
         assert middle.pid is not None and middle.pid != os.getpid()
@@ -162,8 +175,11 @@ def test_cli_reports_a_missing_model_in_one_line(tmp_path: Path) -> None:
 
 
 async def test_a_restarted_stage_serves_the_next_request(tiny: Path) -> None:
+    """A stage restarted by someone else (not the supervisor) is picked up too."""
     reference = await _greedy(tiny, 1)
-    async with open_pipeline(tiny, stages=3, mode="processes") as pipeline:
+    async with open_pipeline(
+        tiny, stages=3, mode="processes", supervision=SupervisionPolicy(restart=False)
+    ) as pipeline:
         assert (await pipeline.complete(PROMPT, max_tokens=12)).token_ids == reference
         last = pipeline.stages[2]
         assert last.pid is not None and last.address is not None
@@ -187,7 +203,9 @@ async def test_a_restarted_stage_serves_the_next_request(tiny: Path) -> None:
 
 
 async def test_health_probes_every_stage(tiny: Path) -> None:
-    async with open_pipeline(tiny, stages=3, mode="processes") as pipeline:
+    async with open_pipeline(
+        tiny, stages=3, mode="processes", supervision=SupervisionPolicy(restart=False)
+    ) as pipeline:
         health = await pipeline.check_health()
         assert [h.state for h in health] == ["ready", "ready", "ready"]
         assert health[1].to_json()["layers"] == list(pipeline.stages[1].layers)

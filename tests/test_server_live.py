@@ -264,8 +264,9 @@ def _poll_health(server: LiveServer, status: str, timeout: float) -> float:
 def test_health_follows_a_killed_stage_and_errors_map_to_502_and_504(
     tiny: Path, tmp_path: Path
 ) -> None:
+    # Restarts and recovery off: this test is about what a client sees when a stage is gone.
     live = LiveServer(
-        ["--model", str(tiny)],
+        ["--model", str(tiny), "--no-restart", "--recovery-timeout", "0"],
         tmp_path / "serve.log",
         env={"STAGERUN_STAGE_REPLY_TIMEOUT_SECS": "2"},
     )
@@ -328,6 +329,35 @@ def test_health_follows_a_killed_stage_and_errors_map_to_502_and_504(
             restarted.wait()
             assert restarted.stdout is not None
             restarted.stdout.close()
+    assert code == 0
+
+
+def test_a_stage_killed_mid_stream_is_invisible_to_the_client(tiny: Path, tmp_path: Path) -> None:
+    """kill -9 of the middle stage while tokens stream: the stream completes, the same text."""
+    live = LiveServer(["--model", str(tiny)], tmp_path / "serve.log")
+    body = {"model": "tiny", "prompt": "The lighthouse keeper", "max_tokens": 120, "temperature": 0}
+    try:
+        live.wait_ready()
+        want = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+        victim = live.health().json()["stages"][1]["pid"]
+        pieces: list[str] = []
+        with httpx.stream(
+            "POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(pieces) == 30:
+                    os.kill(victim, signal.SIGKILL)
+        assert "".join(pieces) == want["choices"][0]["text"]
+        health = live.health().json()
+        assert health["status"] == "ok"
+        middle = health["stages"][1]
+        assert middle["pid"] != victim and middle["process"]["restarts"] == 1
+    finally:
+        code, _ = live.stop()
     assert code == 0
 
 

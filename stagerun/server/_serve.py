@@ -26,8 +26,10 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from .._errors import StagerunError
 from .._launch import Mode, open_pipeline
+from .._pipeline import RecoveryPolicy
 from .._proto import ActivationDType
 from .._speculative import SpeculationConfig
+from .._supervise import SupervisionPolicy
 from .._topology import load_topology
 from .._util import single_exceptions
 from ._app import create_app
@@ -63,6 +65,8 @@ class ServeOptions:
     backend: str = "numpy"
     backends: tuple[str, ...] | None = None
     device: str | None = None
+    recovery: RecoveryPolicy | None = None
+    supervision: SupervisionPolicy | None = None
 
 
 def served_model_id(model: str) -> str:
@@ -159,6 +163,8 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                 backend=options.backend,
                 backends=options.backends,
                 device=options.device,
+                recovery=options.recovery,
+                supervision=options.supervision,
             ) as pipeline:
                 app: Any = create_app(
                     pipeline,
@@ -202,9 +208,10 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
 
 def options_from_args(args: object) -> ServeOptions:
     """`ServeOptions` from the parsed ``stagerun serve`` arguments."""
-    from .._cli import speculation_from_args
+    from .._cli import recovery_from_args, speculation_from_args
 
     get = functools.partial(getattr, args)
+    recovery, supervision = recovery_from_args(args)  # type: ignore[arg-type]
     return ServeOptions(
         model=get("model"),
         stages=get("stages"),
@@ -225,6 +232,8 @@ def options_from_args(args: object) -> ServeOptions:
         backend=get("backend", "numpy"),
         backends=get("backends", None),
         device=get("device", None),
+        recovery=recovery,
+        supervision=supervision,
     )
 
 

@@ -1,0 +1,206 @@
+"""Supervised stage processes: restart a stage that dies, kill one that stops answering.
+
+Theory of operation: `StageProcess.run` is one task per ``stagerun stage`` child, under the
+pipeline's nursery (so leaving `open_pipeline` stops the supervisor and its child together).
+It starts the child, reads its ``READY <address>`` line, and from then on keeps the child's
+address fixed: a restart passes ``--listen <that address>``, so upstream stages and stage 0
+find the new process where the old one was and nobody needs to be told.
+
+While the child runs, two tasks watch it: one drains its stdout (a child must never block on
+a full pipe), the other is the liveness probe: every ``probe_interval`` seconds it opens a
+connection and waits for the handshake. A process that is alive but fails ``probe_failures``
+probes in a row (stopped, deadlocked, swapping) is killed, which turns a stall into a death.
+When the child exits, for whatever reason, the supervisor waits (``backoff``, doubling up to
+``max_backoff``; a run longer than ``stable_after`` resets it) and starts it again. Requests
+that were using the stage recover on their own (`stagerun.RecoveryPolicy`): they wait for
+the restarted process and replay their committed tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+import trio
+
+from . import _proto
+from ._errors import LaneError, StageError
+from ._lanes import open_connection
+
+log = logging.getLogger("stagerun.supervise")
+
+State = Literal["starting", "running", "restarting", "stopped"]
+
+
+@attrs.frozen
+class SupervisionPolicy:
+    """How `open_pipeline` looks after the stage processes it starts.
+
+    Args:
+        restart: start a stage again when its process exits.
+        backoff: first wait before a restart, in seconds; doubles up to ``max_backoff``.
+        stable_after: a process that ran this long resets the backoff.
+        probe_interval: seconds between liveness probes (0 turns probing off).
+        probe_timeout: a probe's handshake deadline.
+        probe_failures: failed probes in a row before a live process is killed.
+        ready_timeout: seconds a (re)started process has to print its ready line.
+    """
+
+    restart: bool = True
+    backoff: float = 0.2
+    max_backoff: float = 10.0
+    stable_after: float = 30.0
+    probe_interval: float = 2.0
+    probe_timeout: float = 5.0
+    probe_failures: int = 3
+    ready_timeout: float = 120.0
+
+
+@attrs.define(eq=False)
+class StageProcess:
+    """One supervised ``stagerun stage`` child; its fields are the live state `/health` shows."""
+
+    index: int
+    command: list[str]  # everything but --listen
+    listen: str
+    policy: SupervisionPolicy
+    address: str | None = None
+    pid: int | None = None
+    state: State = "starting"
+    restarts: int = 0
+    probe_kills: int = 0
+    last_exit: int | None = None
+    last_error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state, "restarts": self.restarts}
+        if self.pid is not None:
+            out["pid"] = self.pid
+        if self.last_exit is not None:
+            out["last_exit"] = self.last_exit
+        if self.probe_kills:
+            out["killed_unresponsive"] = self.probe_kills
+        if self.last_error is not None:
+            out["last_error"] = self.last_error
+        return out
+
+    async def run(self, *, task_status: trio.TaskStatus[StageProcess]) -> None:
+        """Start the child, report it ready, and keep it running until cancelled.
+
+        Raises:
+            StageError: the first start failed (a restart that fails is retried instead).
+        """
+        delay = self.policy.backoff
+        first = True
+        try:
+            while True:
+                started_at = trio.current_time()
+                error = await self._run_once(task_status if first else None)
+                if first and self.address is None:
+                    raise StageError(error or f"stage {self.index} did not start")
+                first = False
+                self.last_error = error
+                if not self.policy.restart:
+                    self.state = "stopped"
+                    return
+                if trio.current_time() - started_at > self.policy.stable_after:
+                    delay = self.policy.backoff
+                self.state = "restarting"
+                log.warning(
+                    "stage %d (pid %s) exited with %s%s; restarting in %.1fs",
+                    self.index,
+                    self.pid,
+                    self.last_exit,
+                    f" ({error})" if error else "",
+                    delay,
+                )
+                await trio.sleep(delay)
+                delay = min(delay * 2, self.policy.max_backoff)
+                self.restarts += 1
+        finally:
+            self.state = "stopped"
+
+    async def _run_once(self, task_status: trio.TaskStatus[StageProcess] | None) -> str | None:
+        """Run the child once, to its exit; the error that ended it early, if any."""
+        from ._launch import _read_ready_line
+
+        error: str | None = None
+        command = [*self.command, "--listen", self.listen]
+        async with trio.open_nursery() as nursery:
+            proc: trio.Process = await nursery.start(
+                functools.partial(
+                    trio.run_process,
+                    command,
+                    stdout=subprocess.PIPE,
+                    check=False,
+                    # Its own session: a terminal's Ctrl-C reaches only the driver, which
+                    # then stops the stages in order.
+                    start_new_session=True,
+                )
+            )
+            self.pid = proc.pid
+            try:
+                with trio.fail_after(self.policy.ready_timeout):
+                    address = await _read_ready_line(proc, self.index)
+            except (StageError, trio.TooSlowError) as exc:
+                error = str(exc) or f"no ready line within {self.policy.ready_timeout:g}s"
+                proc.kill()
+            else:
+                self.address = self.listen = address
+                self.state = "running"
+                if task_status is not None:
+                    task_status.started(self)
+                assert proc.stdout is not None
+                nursery.start_soon(_drain, proc.stdout)
+                if self.policy.probe_interval > 0:
+                    nursery.start_soon(self._probe, proc, address)
+            await proc.wait()
+            self.last_exit = proc.returncode
+            nursery.cancel_scope.cancel()
+        return error
+
+    async def _probe(self, proc: trio.Process, address: str) -> None:
+        failures = 0
+        while True:
+            await trio.sleep(self.policy.probe_interval)
+            try:
+                stream = await open_connection(
+                    address,
+                    role=_proto.Role.LANE,
+                    connect_timeout=self.policy.probe_timeout,
+                    ready_timeout=self.policy.probe_timeout,
+                )
+            except LaneError as exc:
+                failures += 1
+                log.warning(
+                    "stage %d (pid %d) failed liveness probe %d/%d: %s",
+                    self.index,
+                    proc.pid,
+                    failures,
+                    self.policy.probe_failures,
+                    exc,
+                )
+                if failures >= self.policy.probe_failures:
+                    log.error("stage %d (pid %d) is unresponsive; killing it", self.index, proc.pid)
+                    self.probe_kills += 1
+                    proc.kill()
+                    return
+                continue
+            failures = 0
+            await stream.aclose_forcefully()
+
+
+async def _drain(stdout: trio.abc.ReceiveStream) -> None:
+    while await stdout.receive_some(65536):
+        pass
+
+
+def stage_command(argv: Sequence[str]) -> list[str]:
+    """The command line of a ``stagerun stage`` child (without ``--listen``)."""
+    import sys
+
+    return [sys.executable, "-m", "stagerun", "stage", *argv]
