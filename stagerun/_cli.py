@@ -6,12 +6,14 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import trio
 
+from ._auth import SECRET_FILE_ENV, lane_secret
 from ._errors import StagerunError
 from ._framed import LinkEmulation
 from ._proto import SamplingParams
@@ -88,6 +90,16 @@ def _plugin_options(p: argparse.ArgumentParser) -> None:
         "--device",
         default=None,
         help="compute device for backends that take one (torch): cuda, cuda:1, cpu",
+    )
+
+
+def _secret_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="authenticate every lane with the shared secret in PATH (HMAC challenge-response; "
+        "every stage needs the same file; default $STAGERUN_SECRET_FILE)",
     )
 
 
@@ -191,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_pipeline_options(gen)
     _reliability_options(gen)
+    _secret_option(gen)
     _sampling_options(gen)
     _speculation_options(gen)
     _link_options(gen)
@@ -213,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--threads", type=int, default=None)
     stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     _link_options(stage)
+    _secret_option(stage)
 
     bench = sub.add_parser("bench", help="measure throughput, side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -310,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     _speculation_options(serve)
     _link_options(serve)
     _reliability_options(serve)
+    _secret_option(serve)
     serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     _plugin_options(serve)
     serve.add_argument(
@@ -344,6 +359,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    secret_file = getattr(args, "secret_file", None)
+    if secret_file is not None:  # for this process and the stage processes it starts
+        os.environ[SECRET_FILE_ENV] = os.path.abspath(secret_file)
+    lane_secret()  # an unreadable or too short secret fails here, in one line
     if args.command == "generate":
         return trio.run(_generate, args)
     if args.command == "stage":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import math
+import secrets
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -240,20 +241,51 @@ async def client_handshake(
     key: int = 0,
     ready_timeout: float,
     link: LinkEmulation = NO_EMULATION,
+    secret: bytes | None = None,
 ) -> FrameStream:
-    """Send the hello and wait for READY; return the stream ready for frames."""
+    """Send the hello (and, with a ``secret``, authenticate both ways); wait for READY.
+
+    Returns the stream ready for frames.
+    """
     decoder = _proto.ReadyDecoder()
+    hello = _proto.encode_hello(role, key, auth=secret is not None)
+    client_nonce = secrets.token_bytes(_proto.NONCE_SIZE) if secret is not None else b""
+
+    async def reply() -> _proto.Ready | _proto.Refused | _proto.Challenge:
+        while True:
+            event = decoder.next_event()
+            if event is not _proto.NEED_DATA:
+                return event  # type: ignore[return-value]
+            data = await stream.receive_some(4096)
+            if not data:
+                raise LaneHandshakeError(f"{peer} closed the connection before it became ready")
+            decoder.receive_data(data)
+
     try:
         with trio.fail_after(ready_timeout):
-            await stream.send_all(_proto.encode_hello(role, key))
-            while True:
-                event = decoder.next_event()
-                if event is not _proto.NEED_DATA:
-                    break
-                data = await stream.receive_some(4096)
-                if not data:
-                    raise LaneHandshakeError(f"{peer} closed the connection before it became ready")
-                decoder.receive_data(data)
+            await stream.send_all(hello + client_nonce)
+            event = await reply()
+            if secret is not None and isinstance(event, _proto.Ready):
+                raise LaneHandshakeError(
+                    f"{peer} accepted the lane without authenticating itself; it has no lane "
+                    "secret, so stagerun will not send it anything"
+                )
+            if isinstance(event, _proto.Challenge):
+                if secret is None:
+                    raise ProtocolError("the stage sent a challenge that was not asked for.")
+                want = _proto.auth_proof(secret, "server", hello, client_nonce, event.nonce)
+                if not _proto.proofs_match(want, event.proof):
+                    raise LaneHandshakeError(
+                        f"{peer} failed to prove it holds the lane secret; refusing to use it"
+                    )
+                trailing = decoder.trailing_data
+                decoder = _proto.ReadyDecoder()
+                decoder.receive_data(trailing)
+                proof = _proto.auth_proof(secret, "client", hello, client_nonce, event.nonce)
+                await stream.send_all(proof)
+                event = await reply()
+                if isinstance(event, _proto.Challenge):
+                    raise ProtocolError("the stage sent a second challenge.")
     except trio.TooSlowError as exc:
         raise LaneHandshakeError(
             f"{peer} did not become ready within {ready_timeout:g}s "
@@ -275,33 +307,61 @@ async def server_handshake(
     hello_timeout: float = 10.0,
     check: Callable[[_proto.Hello], str | None] | None = None,
     link: LinkEmulation = NO_EMULATION,
+    secret: bytes | None = None,
 ) -> tuple[FrameStream, _proto.Hello]:
-    """Read and check the client's hello, answer READY, and return the framed stream.
+    """Read and check the client's hello, authenticate it, answer READY; return the stream.
 
-    A bad hello, or one that ``check`` objects to (it returns a reason), gets a refusal
-    naming the problem and raises `LaneHandshakeError`.
+    With a ``secret``, a client must authenticate (see `stagerun._proto` handshake) before
+    anything else is read. A bad hello, a failed authentication, or a hello that ``check``
+    objects to (it returns a reason) gets a refusal and raises `LaneHandshakeError`.
     """
-    buf = bytearray()
+
+    async def read_exactly(n: int, what: str) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            data = await stream.receive_some(n - len(buf))
+            if not data:
+                raise LaneHandshakeError(f"{peer} closed the connection before its {what}")
+            buf += data
+        return bytes(buf)
+
     try:
         with trio.fail_after(hello_timeout):
-            while len(buf) < _proto.HELLO_SIZE:
-                data = await stream.receive_some(_proto.HELLO_SIZE - len(buf))
-                if not data:
-                    raise LaneHandshakeError(f"{peer} closed the connection before its hello")
-                buf += data
+            raw = await read_exactly(_proto.HELLO_SIZE, "hello")
+            try:
+                hello = _proto.decode_hello(raw)
+            except ProtocolError as exc:
+                await _refuse(stream, str(exc))
+                raise LaneHandshakeError(f"refused {peer}: {exc}") from exc
+            authenticated = bool(hello.flags & _proto.FLAG_AUTH)
+            if secret is not None and not authenticated:
+                reason = "this stage requires lane authentication (a shared secret)"
+                await _refuse(stream, reason)
+                raise LaneHandshakeError(f"refused {peer}: {reason}")
+            if authenticated:
+                client_nonce = await read_exactly(_proto.NONCE_SIZE, "nonce")
+                if secret is None:
+                    reason = "this stage has no lane secret and cannot authenticate"
+                    await _refuse(stream, reason)
+                    raise LaneHandshakeError(f"refused {peer}: {reason}")
+                nonce = secrets.token_bytes(_proto.NONCE_SIZE)
+                mine = _proto.auth_proof(secret, "server", raw, client_nonce, nonce)
+                await stream.send_all(_proto.encode_challenge(nonce, mine))
+                proof = await read_exactly(_proto.PROOF_SIZE, "proof")
+                want = _proto.auth_proof(secret, "client", raw, client_nonce, nonce)
+                if not _proto.proofs_match(want, proof):
+                    await _refuse(stream, "authentication failed")
+                    raise LaneHandshakeError(f"refused {peer}: wrong lane secret")
     except trio.TooSlowError as exc:
-        raise LaneHandshakeError(f"{peer} sent no hello within {hello_timeout:g}s") from exc
+        raise LaneHandshakeError(
+            f"{peer} did not finish its hello within {hello_timeout:g}s"
+        ) from exc
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc
-    try:
-        hello = _proto.decode_hello(bytes(buf))
-    except ProtocolError as exc:
-        await _refuse(stream, str(exc))
-        raise LaneHandshakeError(f"refused {peer}: {exc}") from exc
-    reason = check(hello) if check is not None else None
-    if reason is not None:
-        await _refuse(stream, reason)
-        raise LaneHandshakeError(f"refused {peer}: {reason}")
+    objection = check(hello) if check is not None else None
+    if objection is not None:
+        await _refuse(stream, objection)
+        raise LaneHandshakeError(f"refused {peer}: {objection}")
     try:
         await stream.send_all(_proto.encode_ready())
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:

@@ -23,18 +23,20 @@ Theory of operation (semantics of the original ``PersistentStageLanePool``):
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import os
 import secrets
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import trio
 
 from . import _proto, plugins
+from ._auth import lane_secret
 from ._errors import LaneBrokenError, LaneError, LaneTimeoutError, StageError
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, client_handshake
 from ._proto._prefill import PrefillTransportEstimate
@@ -46,6 +48,15 @@ DEFAULT_REPLY_TIMEOUT = 30.0
 LANE_READY_TIMEOUT = 20.0
 LANE_STEADY_CONNECT_TIMEOUT = 3.0
 DEFAULT_CONNECT_TIMEOUT = 60.0
+
+
+class EnvSecret(enum.Enum):
+    """The default of ``secret`` arguments: read the environment (`lane_secret`)."""
+
+    TOKEN = "the environment's lane secret"
+
+
+ENV_SECRET: Final = EnvSecret.TOKEN
 
 
 def stage_reply_timeout(environ: Mapping[str, str] | None = None) -> float:
@@ -69,12 +80,25 @@ async def open_connection(
     connect_timeout: float,
     ready_timeout: float,
     link: LinkEmulation = NO_EMULATION,
+    secret: bytes | EnvSecret | None = ENV_SECRET,
 ) -> FrameStream:
-    """Connect to a stage and complete the handshake."""
+    """Connect to a stage and complete the handshake.
+
+    ``secret`` authenticates the lane (both ways); by default it is this process's
+    `stagerun._auth.lane_secret`, None turns authentication off.
+    """
+    if isinstance(secret, EnvSecret):
+        secret = lane_secret()
     stream = await plugins.transport_for(address).connect(address, timeout=connect_timeout)
     try:
         return await client_handshake(
-            stream, peer=address, role=role, key=key, ready_timeout=ready_timeout, link=link
+            stream,
+            peer=address,
+            role=role,
+            key=key,
+            ready_timeout=ready_timeout,
+            link=link,
+            secret=secret,
         )
     except BaseException:
         await trio.aclose_forcefully(stream)

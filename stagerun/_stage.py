@@ -30,10 +30,12 @@ import numpy as np
 import trio
 
 from . import _proto, plugins
+from ._auth import SECRET_FILE_ENV, is_loopback, lane_secret
 from ._errors import ComputeCancelled, LaneError, LaneHandshakeError, StageError, StagerunError
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, server_handshake
-from ._lanes import open_connection, stage_reply_timeout
+from ._lanes import ENV_SECRET, EnvSecret, open_connection, stage_reply_timeout
 from ._sampling import sample_rows
+from .transports import parse_address
 
 log = logging.getLogger("stagerun.stage")
 
@@ -105,6 +107,7 @@ class StageServer:
         downstream: str | None = None,
         wire_dtype: _proto.ActivationDType = "f32",
         link: LinkEmulation = NO_EMULATION,
+        secret: bytes | EnvSecret | None = ENV_SECRET,
     ) -> None:
         if downstream is None and not backend.is_last:
             lo, hi = backend.layers
@@ -120,8 +123,10 @@ class StageServer:
         self.is_last = downstream is None
         self.wire_dtype = wire_dtype
         self.link = link
+        self.secret = lane_secret() if isinstance(secret, EnvSecret) else secret
         self.address: str | None = None
         self.reply_timeout = stage_reply_timeout()
+        self.refused = 0  # connections turned down in the handshake
         self._compute_lock = trio.Lock()
         self._sinks: dict[int, FrameStream] = {}
         self._sink_parked = trio.Condition()
@@ -150,6 +155,7 @@ class StageServer:
         if self.downstream is not None:
             plugins.transport_for(self.downstream)  # fail early on an address nobody serves
         transport = plugins.transport_for(address)
+        _warn_if_open(address, self.secret, self.index)
         async with trio.open_nursery() as nursery:
             self.address = await nursery.start(
                 functools.partial(transport.serve, address, self._on_connection)
@@ -169,9 +175,10 @@ class StageServer:
     async def _on_connection(self, stream: trio.abc.Stream, peer: str) -> None:
         try:
             framed, hello = await server_handshake(
-                stream, peer=peer, check=self._check_hello, link=self.link
+                stream, peer=peer, check=self._check_hello, link=self.link, secret=self.secret
             )
         except LaneHandshakeError as exc:
+            self.refused += 1
             log.info("stage %d: %s", self.index, exc)
             await trio.aclose_forcefully(stream)
             return
@@ -471,6 +478,24 @@ class _LaneTask:
         log.warning("stage %d: %s", self.server.index, text)
         target = self.up if upstream or self.sink is None else self.sink
         await target.send(error, timeout=self.server.reply_timeout)
+
+
+def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
+    """Warn when a stage without a lane secret listens beyond this machine."""
+    if secret is not None:
+        return
+    try:
+        _scheme, host, _port = parse_address(address)
+    except ValueError:
+        return  # a plugin's address form (unix://...): its own business
+    if not is_loopback(host):
+        log.warning(
+            "stage %d serves %s without lane authentication: anyone who can reach it can "
+            "send it work. Give every stage the same --secret-file (or $%s).",
+            index,
+            address,
+            SECRET_FILE_ENV,
+        )
 
 
 async def _connect_with_retry(address: str, link: LinkEmulation) -> FrameStream:

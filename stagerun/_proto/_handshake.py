@@ -8,12 +8,27 @@ The client (the upstream stage) speaks first with a fixed-size hello::
 
 ``role`` says what the connection is for: a ``LANE`` carries frames downstream, a ``RETURN``
 connection is parked by the last stage until a ``Configure`` with the same 64-bit ``key`` (the
-``return_key``) binds a chain to it. ``flags`` must be 0; the byte is reserved for auth.
+``return_key``) binds a chain to it. ``flags`` is 0, or ``FLAG_AUTH``.
 
 The server answers with an 8-byte prefix and an optional reason::
 
     b"SRDY" | u16 version | u16 0                   READY
     b"SRFS" | u16 version | u16 n | n bytes utf-8   refusal (n <= 1024)
+
+Authentication (both sides hold the same secret) is a mutual HMAC-SHA256 challenge-response
+that runs before READY, so a peer without the secret never gets to send a frame:
+
+1. the client sets ``FLAG_AUTH`` and sends a 32-byte random nonce right after its hello;
+2. the server answers ``b"SCHL" | u16 version | u16 64`` with its own 32-byte nonce and its
+   proof ``HMAC(secret, "stagerun-auth-v1 server" | hello | client nonce | server nonce)``;
+3. the client checks that proof (a stage without the secret cannot make it, so the client
+   never sends activations to an impostor) and sends its proof, the same HMAC labelled
+   ``client``;
+4. the server checks it in constant time and answers READY, or refuses with "authentication
+   failed" and closes. Fresh nonces on both sides make every proof single-use.
+
+A stage with a secret refuses a hello without ``FLAG_AUTH``; a stage without one refuses a hello
+with it (and a client with a secret refuses a stage that answers READY without a challenge).
 
 Both sides fail closed on anything unexpected. The magic is checked first (so an HTTP client or
 a port scanner reads "not a stagerun peer"), then the version, before any field whose meaning a
@@ -26,8 +41,10 @@ nothing unasked, so the caller treats trailing bytes as a broken peer.
 """
 
 import enum
+import hashlib
+import hmac
 import struct
-from typing import Final
+from typing import Final, Literal
 
 import attrs
 
@@ -38,7 +55,12 @@ from ._messages import PROTOCOL_VERSION
 HELLO_MAGIC: Final = b"STGR"
 READY_MAGIC: Final = b"SRDY"
 REFUSAL_MAGIC: Final = b"SRFS"
+CHALLENGE_MAGIC: Final = b"SCHL"
 MAX_REFUSAL_REASON: Final = 1024
+FLAG_AUTH: Final = 0x01
+NONCE_SIZE: Final = 32
+PROOF_SIZE: Final = 32
+_AUTH_LABEL: Final = b"stagerun-auth-v1 "
 
 _HELLO: Final = struct.Struct("<4sHBBQ")
 _REPLY: Final = struct.Struct("<4sHH")
@@ -75,18 +97,27 @@ class Ready:
 
 
 @attrs.frozen
+class Challenge:
+    """The server wants the client to authenticate, and proved that it holds the secret."""
+
+    nonce: bytes
+    proof: bytes
+
+
+@attrs.frozen
 class Refused:
     """The server turned the connection down and said why."""
 
     reason: str
 
 
-def encode_hello(role: Role, key: int = 0) -> bytes:
+def encode_hello(role: Role, key: int = 0, *, auth: bool = False) -> bytes:
     """Return the hello for a connection of ``role``.
 
     Args:
         role: ``Role.LANE`` or ``Role.RETURN``.
         key: the 64-bit return key for ``Role.RETURN``; must be 0 for a lane.
+        auth: set ``FLAG_AUTH`` (the client nonce follows the hello).
 
     Raises:
         ValueError: unknown role, key outside [0, 2**64), or a non-zero key on a lane.
@@ -96,7 +127,7 @@ def encode_hello(role: Role, key: int = 0) -> bytes:
         raise ValueError(f"a hello key must be an int in [0, 2**64), got {key!r}.")
     if role is Role.LANE and key != 0:
         raise ValueError(f"a lane hello carries key 0, got {key}.")
-    return _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, role, 0, key)
+    return _HELLO.pack(HELLO_MAGIC, PROTOCOL_VERSION, role, FLAG_AUTH if auth else 0, key)
 
 
 def _version_mismatch(version: int) -> ProtocolError:
@@ -127,13 +158,52 @@ def decode_hello(data: bytes | bytearray | memoryview) -> Hello:
         raise ProtocolError(
             f"the hello asks for unknown role {role}; expected 1 (lane) or 2 (return)."
         )
-    if flags:
+    if flags & ~FLAG_AUTH:
         raise ProtocolError(
-            f"the hello sets unknown flags 0x{flags:02x}; this stage supports none."
+            f"the hello sets unknown flags 0x{flags:02x}; this stage knows only "
+            f"0x{FLAG_AUTH:02x} (authentication)."
         )
     if role == Role.LANE and key:
         raise ProtocolError(f"a lane hello must carry key 0, got {key}.")
     return Hello(version=version, role=Role(role), flags=flags, key=key)
+
+
+def auth_proof(
+    secret: bytes,
+    side: Literal["client", "server"],
+    hello: bytes,
+    client_nonce: bytes,
+    server_nonce: bytes,
+) -> bytes:
+    """The HMAC-SHA256 that proves ``side`` holds ``secret`` for this one handshake.
+
+    Raises:
+        ValueError: an empty secret, or nonces of the wrong size.
+    """
+    if not secret:
+        raise ValueError("the lane secret is empty.")
+    if len(client_nonce) != NONCE_SIZE or len(server_nonce) != NONCE_SIZE:
+        raise ValueError(f"handshake nonces are {NONCE_SIZE} bytes long.")
+    message = _AUTH_LABEL + side.encode() + hello + client_nonce + server_nonce
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def proofs_match(expected: bytes, received: bytes) -> bool:
+    """Compare two proofs in constant time."""
+    return hmac.compare_digest(expected, received)
+
+
+def encode_challenge(nonce: bytes, proof: bytes) -> bytes:
+    """Return the server's challenge: its nonce and its own proof.
+
+    Raises:
+        ValueError: a nonce or proof of the wrong size.
+    """
+    if len(nonce) != NONCE_SIZE or len(proof) != PROOF_SIZE:
+        raise ValueError(
+            f"a challenge carries a {NONCE_SIZE}-byte nonce and a {PROOF_SIZE}-byte proof."
+        )
+    return _REPLY.pack(CHALLENGE_MAGIC, PROTOCOL_VERSION, NONCE_SIZE + PROOF_SIZE) + nonce + proof
 
 
 def encode_ready() -> bytes:
@@ -168,7 +238,7 @@ class ReadyDecoder:
 
     def __init__(self) -> None:
         self._buffer = bytearray()
-        self._event: Ready | Refused | None = None
+        self._event: Ready | Refused | Challenge | None = None
         self._reply_len = 0
         self._failure: str | None = None
 
@@ -186,7 +256,7 @@ class ReadyDecoder:
         self._check_usable()
         self._buffer += data
 
-    def next_event(self) -> Ready | Refused | type[NEED_DATA]:
+    def next_event(self) -> Ready | Refused | Challenge | type[NEED_DATA]:
         """Return the reply, or :data:`NEED_DATA` until all of it has arrived.
 
         Raises:
@@ -208,10 +278,10 @@ class ReadyDecoder:
                 f"this reply decoder already failed and cannot be used again: {self._failure}"
             )
 
-    def _next_event(self) -> Ready | Refused | type[NEED_DATA]:
+    def _next_event(self) -> Ready | Refused | Challenge | type[NEED_DATA]:
         buffer = self._buffer
         head = bytes(buffer[:4])
-        if not (READY_MAGIC.startswith(head) or REFUSAL_MAGIC.startswith(head)):
+        if not any(m.startswith(head) for m in (READY_MAGIC, REFUSAL_MAGIC, CHALLENGE_MAGIC)):
             raise ProtocolError(
                 f"not a stagerun peer: it answered {head!r} instead of {READY_MAGIC!r} "
                 f"or {REFUSAL_MAGIC!r}."
@@ -221,8 +291,17 @@ class ReadyDecoder:
         magic, version, length = _REPLY.unpack_from(buffer)
         if version != PROTOCOL_VERSION:
             raise _version_mismatch(version)
-        event: Ready | Refused
-        if magic == READY_MAGIC:
+        event: Ready | Refused | Challenge
+        if magic == CHALLENGE_MAGIC:
+            if length != NONCE_SIZE + PROOF_SIZE:
+                raise ProtocolError(
+                    f"a challenge carries {NONCE_SIZE + PROOF_SIZE} bytes, not {length}."
+                )
+            if len(buffer) < REPLY_PREFIX_SIZE + length:
+                return NEED_DATA
+            body = bytes(buffer[REPLY_PREFIX_SIZE : REPLY_PREFIX_SIZE + length])
+            event = Challenge(nonce=body[:NONCE_SIZE], proof=body[NONCE_SIZE:])
+        elif magic == READY_MAGIC:
             if length:
                 raise ProtocolError(f"a READY reply carries no reason, got a {length}-byte one.")
             event = Ready()
