@@ -31,7 +31,14 @@ import trio
 
 from . import _proto, plugins
 from ._auth import SECRET_FILE_ENV, is_loopback, lane_secret
-from ._errors import ComputeCancelled, LaneError, LaneHandshakeError, StageError, StagerunError
+from ._errors import (
+    ComputeCancelled,
+    LaneError,
+    LaneHandshakeError,
+    ProtocolError,
+    StageError,
+    StagerunError,
+)
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, server_handshake
 from ._lanes import ENV_SECRET, EnvSecret, open_connection, stage_reply_timeout
 from ._sampling import sample_rows
@@ -127,6 +134,7 @@ class StageServer:
         self.address: str | None = None
         self.reply_timeout = stage_reply_timeout()
         self.refused = 0  # connections turned down in the handshake
+        self.protocol_errors = 0  # lanes closed for a malformed frame
         self._compute_lock = trio.Lock()
         self._sinks: dict[int, FrameStream] = {}
         self._sink_parked = trio.Condition()
@@ -253,6 +261,8 @@ class _LaneTask:
                 await self._work()
                 nursery.cancel_scope.cancel()
         except LaneError as exc:
+            if isinstance(exc.__cause__, ProtocolError):
+                self.server.protocol_errors += 1
             log.info("stage %d: lane from %s ended: %s", self.server.index, self.up.peer, exc)
         finally:
             self.sessions.clear()
@@ -271,8 +281,10 @@ class _LaneTask:
                     self._apply_cancel(frame.message)
                 self._queue.append(frame)
                 self._wakeup.set()
-        except LaneError:
-            pass  # upstream went away: the chain is over once the queue is done
+        except LaneError as exc:  # upstream went away: the chain is over once the queue is done
+            if isinstance(exc.__cause__, ProtocolError):
+                self.server.protocol_errors += 1
+                log.info("stage %d: %s", self.server.index, exc)
         finally:
             self._upstream_closed = True
             self._wakeup.set()
