@@ -209,8 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     _link_options(gen)
 
     stage = sub.add_parser("stage", help="serve one stage (layers LO:HI) to upstream lanes")
-    stage.add_argument("--model", default="smollm2")
-    stage.add_argument("--layers", type=_layer_range, required=True, help="LO:HI")
+    stage.add_argument(
+        "--topology",
+        default=None,
+        metavar="FILE",
+        help="take model, layers, address, backend and downstream from entry --index of this "
+        "TOML file (see docs/deployment.md); explicit options still win",
+    )
+    stage.add_argument("--model", default=None, help="model name or GGUF path (default smollm2)")
+    stage.add_argument("--layers", type=_layer_range, default=None, help="LO:HI")
     stage.add_argument("--index", type=int, default=1, help="this stage's index (>= 1)")
     stage.add_argument("--host", default="127.0.0.1")
     stage.add_argument("--port", type=int, default=0, help="0 picks a free port")
@@ -220,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to serve on, e.g. ws://0.0.0.0:9001 (default tcp://HOST:PORT); the "
         "scheme picks the transport plugin",
     )
-    stage.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
+    stage.add_argument("--backend", default=None, help="compute backend plugin (default numpy)")
     stage.add_argument("--device", default=None, help="compute device for torch: cuda, cpu, ...")
     stage.add_argument("--downstream", default=None, help="address of the next stage")
     stage.add_argument("--threads", type=int, default=None)
@@ -449,12 +456,38 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_from_topology(args: argparse.Namespace) -> None:
+    """Fill the stage options the command line left out from ``--topology`` (or defaults)."""
+    if args.topology is not None:
+        from ._topology import load_topology
+
+        topology = load_topology(args.topology)
+        if not 1 <= args.index < len(topology.stages):
+            raise ValueError(
+                f"--index {args.index}: {args.topology} lists stages 1.."
+                f"{len(topology.stages) - 1} (stage 0 is `stagerun serve --topology`)"
+            )
+        entry = topology.stages[args.index]
+        nxt = topology.stages[args.index + 1] if args.index + 1 < len(topology.stages) else None
+        args.model = args.model or topology.model
+        args.layers = args.layers or entry.layers
+        args.backend = args.backend or entry.backend
+        args.listen = args.listen or entry.listen or entry.address
+        if args.downstream is None and nxt is not None:
+            args.downstream = nxt.address
+    if args.layers is None:
+        raise ValueError("give the stage its layers: --layers LO:HI, or --topology FILE --index I")
+    args.model = args.model or "smollm2"
+    args.backend = args.backend or "numpy"
+
+
 async def _stage(args: argparse.Namespace) -> int:
     from . import plugins
     from ._stage import serve_stage
     from .model import open_model
     from .transports import format_address
 
+    _stage_from_topology(args)
     backend = plugins.build_backend(
         args.backend, open_model(args.model), args.layers, threads=args.threads,
         device=args.device,

@@ -10,13 +10,17 @@ A topology is a TOML file shared by every host of a pipeline::
     [[stages]]
     address = "tcp://10.0.0.2:9001"
     layers = [10, 20]
+    backend = "torch"            # optional, default numpy
+    listen = "tcp://0.0.0.0:9001"  # optional: what the stage binds, if not its address
 
     [[stages]]
     address = "tcp://10.0.0.3:9001"
     layers = [20, 30]
 
-Stage 0 has no address (it is the driver); every other stage must have one. The layer ranges
-must be contiguous from 0 (the model's layer count is checked when the model is opened).
+Stage 0 has no address (it is the driver); every other stage must have one: it is where the
+previous stage connects, so it must be reachable from there. The layer ranges must be
+contiguous from 0 (the model's layer count is checked when the model is opened). Each host runs
+``stagerun stage --topology FILE --index I``; stage 0 runs ``stagerun serve --topology FILE``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class TopologyStage:
     layers: tuple[int, int]
     address: str | None
     backend: str = "numpy"
+    listen: str | None = None
 
 
 @attrs.frozen
@@ -108,5 +113,18 @@ def parse_topology(data: dict[str, Any], *, source: str = "<topology>") -> Topol
         backend = raw.get("backend", "numpy")
         if not isinstance(backend, str):
             raise TopologyError(f"{source}: stage {index} backend must be a name")
-        stages.append(TopologyStage(index, (lo, hi), address, backend))
+        listen = raw.get("listen")
+        if listen is not None:
+            if index == 0 or not isinstance(listen, str):
+                raise TopologyError(f'{source}: stage {index} listen must be "tcp://HOST:PORT"')
+            try:
+                parse_address(listen)
+            except ValueError as exc:
+                raise TopologyError(f"{source}: stage {index} listen: {exc}") from None
+        unknown = set(raw) - {"layers", "address", "backend", "listen"}
+        if unknown:
+            raise TopologyError(
+                f"{source}: stage {index} has unknown keys {', '.join(sorted(unknown))}"
+            )
+        stages.append(TopologyStage(index, (lo, hi), address, backend, listen))
     return Topology(model, tuple(stages))

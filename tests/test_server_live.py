@@ -11,6 +11,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -419,6 +420,54 @@ def test_serve_joins_the_remote_stages_of_a_topology(tiny: Path, tmp_path: Path)
         code, _ = live.stop()
         for proc in (middle, last):
             assert proc.poll() is None  # the server leaves remote stages running
+            proc.kill()
+            proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+    assert code == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_every_host_starts_from_the_same_topology_file(tiny: Path, tmp_path: Path) -> None:
+    """`stagerun stage --topology F --index I` on each host, `stagerun serve --topology F`."""
+    ports = [_free_port(), _free_port()]
+    topology = tmp_path / "topology.toml"
+    topology.write_text(
+        f'model = "{tiny}"\n[[stages]]\nlayers = [0, 2]\n'
+        f'[[stages]]\naddress = "tcp://127.0.0.1:{ports[0]}"\nlayers = [2, 4]\n'
+        f'[[stages]]\naddress = "tcp://127.0.0.1:{ports[1]}"\nlayers = [4, 6]\n'
+        f'backend = "numpy"\n'
+    )
+    stages = []
+    for index in (2, 1):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stagerun", "stage", "--topology", str(topology),
+             "--index", str(index)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        stages.append(proc)
+        assert proc.stdout is not None
+        assert (
+            proc.stdout.readline().decode().strip() == f"READY tcp://127.0.0.1:{ports[index - 1]}"
+        )
+    live = LiveServer(["--topology", str(topology)], tmp_path / "serve.log")
+    try:
+        live.wait_ready()
+        assert [s["state"] for s in live.health().json()["stages"]] == ["ready"] * 3
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+        answer = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=30).json()
+        assert (
+            answer["choices"][0]["message"]["content"]
+            == reference(tiny, [{"prompt": MESSAGES, "chat": True, "max_tokens": 6}])[0]
+        )
+    finally:
+        code, _ = live.stop()
+        for proc in stages:
             proc.kill()
             proc.wait()
             assert proc.stdout is not None

@@ -44,6 +44,14 @@ def test_good_topology(tmp_path: Path) -> None:
         ("[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,9]\naddress='nowhere'", "HOST:PORT"),
         ("[[stages]]\nlayers='0:5'", "needs layers"),
         ("[[stages]\n", "not valid TOML"),
+        (
+            "[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,9]\naddress='tcp://h:1'\nport=2",
+            "unknown keys port",
+        ),
+        (
+            "[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,9]\naddress='tcp://h:1'\nlisten=3",
+            "listen must be",
+        ),
     ],
 )
 def test_bad_topologies_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
@@ -51,6 +59,20 @@ def test_bad_topologies_name_the_problem(tmp_path: Path, text: str, message: str
     path.write_text(text)
     with pytest.raises(TopologyError, match=message):
         load_topology(path)
+
+
+def test_a_stage_may_bind_another_address_than_the_one_it_is_reached_at(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(
+        "[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,30]\n"
+        "address='tcp://10.0.0.2:9001'\nlisten='tcp://0.0.0.0:9001'\nbackend='torch'\n"
+    )
+    stage = load_topology(path).stages[1]
+    assert (stage.address, stage.listen, stage.backend) == (
+        "tcp://10.0.0.2:9001",
+        "tcp://0.0.0.0:9001",
+        "torch",
+    )
 
 
 def test_missing_file(tmp_path: Path) -> None:
