@@ -101,6 +101,23 @@ def _secret_option(p: argparse.ArgumentParser) -> None:
         help="authenticate every lane with the shared secret in PATH (HMAC challenge-response; "
         "every stage needs the same file; default $STAGERUN_SECRET_FILE)",
     )
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="certificate (chain) for tls:// and wss:// lanes this process serves "
+        "(default $STAGERUN_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key", default=None, metavar="PEM", help="its private key (default: in --tls-cert)"
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="authorities trusted for tls:// and wss:// stages this process connects to "
+        "(default $STAGERUN_TLS_CA, else the system's)",
+    )
 
 
 def _reliability_options(p: argparse.ArgumentParser) -> None:
@@ -366,9 +383,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    secret_file = getattr(args, "secret_file", None)
-    if secret_file is not None:  # for this process and the stage processes it starts
-        os.environ[SECRET_FILE_ENV] = os.path.abspath(secret_file)
+    # Security settings go to the environment: this process and the stages it starts use them.
+    for option, variable in (
+        ("secret_file", SECRET_FILE_ENV),
+        ("tls_cert", "STAGERUN_TLS_CERT"),
+        ("tls_key", "STAGERUN_TLS_KEY"),
+        ("tls_ca", "STAGERUN_TLS_CA"),
+    ):
+        value = getattr(args, option, None)
+        if value is not None:
+            os.environ[variable] = os.path.abspath(value)
     lane_secret()  # an unreadable or too short secret fails here, in one line
     if args.command == "generate":
         return trio.run(_generate, args)

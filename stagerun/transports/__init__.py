@@ -3,6 +3,15 @@
 from ._tcp import TcpTransport as TcpTransport
 from ._tcp import format_address as format_address
 from ._tcp import parse_address as parse_address
+from ._tls import TlsTransport as TlsTransport
+from ._websocket import SecureWebSocketTransport as SecureWebSocketTransport
 from ._websocket import WebSocketTransport as WebSocketTransport
 
-__all__ = ["TcpTransport", "WebSocketTransport", "format_address", "parse_address"]
+__all__ = [
+    "SecureWebSocketTransport",
+    "TcpTransport",
+    "TlsTransport",
+    "WebSocketTransport",
+    "format_address",
+    "parse_address",
+]

@@ -19,7 +19,7 @@ nothing, because bytes read from the socket are parsed before the next checkpoin
 from __future__ import annotations
 
 import socket
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import trio
 import trio_websocket
@@ -34,6 +34,7 @@ from .._proto import DEFAULT_MAX_PAYLOAD_BYTES
 from .._proto._frames import MAX_HEADER_BYTES, PREFIX_SIZE
 from ..abc import ConnectionHandler, Transport
 from ._tcp import format_address
+from ._tls import TlsStream, client_context, server_context
 
 __all__ = ["WebSocketTransport"]
 
@@ -48,9 +49,10 @@ DISCONNECT_TIMEOUT = 2.0
 
 
 def parse_ws_address(address: str) -> tuple[str, int, str]:
-    """``ws://HOST:PORT[/path]`` into host, port and path (default ``/stagerun/lane``)."""
+    """``ws://HOST:PORT[/path]`` (or ``wss://``) into host, port and path (default
+    ``/stagerun/lane``)."""
     scheme, sep, rest = address.partition("://")
-    if not sep or scheme != "ws":
+    if not sep or scheme not in ("ws", "wss"):
         raise ValueError(f"websocket address {address!r} must look like ws://HOST:PORT[/PATH]")
     hostport, slash, path = rest.partition("/")
     host, colon, port_text = hostport.rpartition(":")
@@ -103,7 +105,7 @@ class _ServerStream(trio.abc.Stream):
 class _ClientStream(trio.abc.Stream):
     """A client websocket over a TCP stream, driven by wsproto from ``receive_some``."""
 
-    def __init__(self, stream: trio.SocketStream, ws: wsproto.WSConnection) -> None:
+    def __init__(self, stream: trio.SocketStream | TlsStream, ws: wsproto.WSConnection) -> None:
         self._stream = stream
         self._ws = ws
         self._pending = bytearray()  # message bytes received, not yet returned
@@ -119,7 +121,8 @@ class _ClientStream(trio.abc.Stream):
         """Idle, open, nothing unsolicited waiting (see `stagerun.abc.Transport`)."""
         if self._eof or self._pending or self._ws.state is not ConnectionState.OPEN:
             return False
-        return socket_is_idle(self._stream.socket)
+        probe = getattr(self._stream, "is_live", None)  # a TLS stream knows better
+        return bool(probe()) if callable(probe) else socket_is_idle(self._stream.socket)
 
     def _take_events(self) -> None:
         for event in self._ws.events():
@@ -152,7 +155,7 @@ class _ClientStream(trio.abc.Stream):
             data = await self._stream.receive_some(RECEIVE_BUFFER_BYTES)
             # No checkpoint from here to the return: a cancellation cannot lose these bytes.
             try:
-                self._ws.receive_data(data or None)
+                self._ws.receive_data(bytes(data) if data else None)
                 self._take_events()
             except RemoteProtocolError as exc:
                 raise trio.BrokenResourceError(f"websocket protocol error: {exc}") from exc
@@ -183,9 +186,10 @@ class _ClientStream(trio.abc.Stream):
 
 
 class WebSocketTransport(Transport):
-    """Lanes over websockets: ``ws://HOST:PORT[/PATH]`` (no TLS: put a proxy in front)."""
+    """Lanes over websockets: ``ws://HOST:PORT[/PATH]`` (``wss://``: `SecureWebSocketTransport`)."""
 
     schemes: ClassVar[tuple[str, ...]] = ("ws",)
+    secure: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return "<WebSocketTransport>"
@@ -193,12 +197,22 @@ class WebSocketTransport(Transport):
     async def connect(self, address: str, *, timeout: float) -> trio.abc.Stream:
         """Open a websocket to ``address`` and complete the HTTP upgrade within ``timeout``."""
         host, port, path = parse_ws_address(address)
-        where = format_address("ws", host, port) + path
-        stream: trio.SocketStream | None = None
+        where = format_address(self.schemes[0], host, port) + path
+        stream: Any = None
         try:
             with trio.fail_after(timeout):
-                stream = await trio.open_tcp_stream(host, port)
-                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+                tcp = await trio.open_tcp_stream(host, port)
+                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+                stream = tcp
+                if self.secure:
+                    tls = trio.SSLStream(tcp, client_context(), server_hostname=host)
+                    try:
+                        await tls.do_handshake()
+                    except trio.BrokenResourceError as exc:
+                        raise LaneHandshakeError(
+                            f"TLS handshake with {where} failed: {exc.__cause__ or exc}"
+                        ) from exc
+                    stream = TlsStream(tls)
                 ws = wsproto.WSConnection(wsproto.ConnectionType.CLIENT)
                 await stream.send_all(
                     ws.send(ws_events.Request(host=f"{host}:{port}", target=path))
@@ -245,6 +259,7 @@ class WebSocketTransport(Transport):
     ) -> None:
         """Accept websocket lanes on ``address``; each one runs ``handler(stream, peer)``."""
         host, port, path = parse_ws_address(address)
+        ssl_context = server_context() if self.secure else None
 
         async def handle(request: trio_websocket.WebSocketRequest) -> None:
             if request.path != path:
@@ -253,7 +268,7 @@ class WebSocketTransport(Transport):
             ws = await request.accept()
             remote = ws.remote
             peer = (
-                format_address("ws", str(remote.address), remote.port)
+                format_address(self.schemes[0], str(remote.address), remote.port)
                 if isinstance(remote, trio_websocket.Endpoint)
                 else "ws://<unknown>"
             )
@@ -273,7 +288,7 @@ class WebSocketTransport(Transport):
                     handle,
                     host,
                     port,
-                    None,
+                    ssl_context,
                     message_queue_size=SERVER_MESSAGE_QUEUE,
                     max_message_size=MAX_MESSAGE_BYTES,
                     receive_buffer_size=RECEIVE_BUFFER_BYTES,
@@ -284,4 +299,18 @@ class WebSocketTransport(Transport):
             )
             bound = server.port
             suffix = "" if path == LANE_PATH else path
-            task_status.started(format_address("ws", host, bound) + suffix)
+            task_status.started(format_address(self.schemes[0], host, bound) + suffix)
+
+
+class SecureWebSocketTransport(WebSocketTransport):
+    """Lanes over websockets on TLS: ``wss://HOST:PORT[/PATH]``.
+
+    Certificates as for ``tls://`` (`stagerun.transports._tls`): the stage serves with
+    ``$STAGERUN_TLS_CERT``/``$STAGERUN_TLS_KEY``, a connecting stage trusts ``$STAGERUN_TLS_CA``.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("wss",)
+    secure: ClassVar[bool] = True
+
+    def __repr__(self) -> str:
+        return "<SecureWebSocketTransport>"
