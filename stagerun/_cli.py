@@ -216,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--stages", type=int, default=1, help="number of stages (default 1)")
     gen.add_argument("--layers", type=_layer_ranges, help="explicit ranges, e.g. 0:10,10:30")
+    gen.add_argument(
+        "--topology",
+        default=None,
+        metavar="FILE",
+        help="be stage 0 of the running stages listed in this TOML file (its model and layers)",
+    )
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
     _add_pipeline_options(gen)
@@ -423,12 +429,20 @@ async def _generate(args: argparse.Namespace) -> int:
     from ._launch import open_pipeline
 
     recovery, supervision = recovery_from_args(args)
-    if not args.json and args.stages > 1 and not args.inproc:
+    model, layers, remote = args.model, args.layers, None
+    if args.topology is not None:
+        from ._topology import load_topology
+
+        topology = load_topology(args.topology)
+        model, layers = topology.model, topology.layer_ranges
+        remote = topology.remote_addresses
+    elif not args.json and args.stages > 1 and not args.inproc:
         print(f"stagerun: starting {args.stages} stages...", file=sys.stderr)
     async with open_pipeline(
-        args.model,
-        stages=args.stages if args.layers is None else len(args.layers),
-        layers=args.layers,
+        model,
+        stages=args.stages if layers is None else len(layers),
+        layers=layers,
+        remote=remote,
         mode="inproc" if args.inproc else "processes",
         threads=args.threads,
         wire_dtype=args.wire_dtype,
