@@ -252,7 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stage.add_argument("--backend", default=None, help="compute backend plugin (default numpy)")
     stage.add_argument("--device", default=None, help="compute device for torch: cuda, cpu, ...")
-    stage.add_argument("--downstream", default=None, help="address of the next stage")
+    stage.add_argument(
+        "--downstream",
+        default=None,
+        help="address of the next stage; ADDR,STANDBY,... tries standbys in order",
+    )
     stage.add_argument("--threads", type=int, default=None)
     stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     _link_options(stage)
@@ -512,7 +516,7 @@ def _stage_from_topology(args: argparse.Namespace) -> None:
         args.backend = args.backend or entry.backend
         args.listen = args.listen or entry.listen or entry.address
         if args.downstream is None and nxt is not None:
-            args.downstream = nxt.address
+            args.downstream = ",".join([nxt.address or "", *nxt.standby])
     if args.layers is None:
         raise ValueError("give the stage its layers: --layers LO:HI, or --topology FILE --index I")
     args.model = args.model or "smollm2"

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
@@ -72,6 +72,14 @@ def stage_reply_timeout(environ: Mapping[str, str] | None = None) -> float:
     return min(max(value, 1.0), 3600.0)
 
 
+def alternatives(address: str) -> list[str]:
+    """The addresses in ``address``: one, or a primary and its standbys separated by commas."""
+    parts = [part.strip() for part in address.split(",")]
+    if not all(parts):
+        raise ValueError(f"address list {address!r} has an empty entry")
+    return parts
+
+
 async def open_connection(
     address: str,
     *,
@@ -89,6 +97,21 @@ async def open_connection(
     """
     if isinstance(secret, EnvSecret):
         secret = lane_secret()
+    candidates = alternatives(address)
+    for candidate in candidates[:-1]:  # a standby is tried when the one before fails
+        try:
+            return await open_connection(
+                candidate,
+                role=role,
+                key=key,
+                connect_timeout=connect_timeout,
+                ready_timeout=ready_timeout,
+                link=link,
+                secret=secret,
+            )
+        except LaneError as exc:
+            log.info("%s unavailable (%s); trying its standby", candidate, exc)
+    address = candidates[-1]
     stream = await plugins.transport_for(address).connect(address, timeout=connect_timeout)
     try:
         return await client_handshake(
@@ -112,14 +135,19 @@ class Lane:
         self,
         lane_id: int,
         forward: FrameStream,
-        back: FrameStream,
+        back: FrameStream | Sequence[FrameStream],
         *,
         return_key: int,
         reply_timeout: float,
     ) -> None:
         self.id = lane_id
         self.forward = forward
-        self.back = back
+        # One return connection per candidate last stage (the primary and its standbys): the
+        # one the chain reaches binds its connection by key, the others stay parked.
+        self.backs = [back] if isinstance(back, FrameStream) else list(back)
+        if not self.backs:
+            raise ValueError("a lane needs at least one return connection")
+        self.back = self.backs[0]
         self.return_key = return_key
         self.reply_timeout = reply_timeout
 
@@ -176,7 +204,8 @@ class Lane:
         try:
             with trio.fail_after(self.reply_timeout):
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(watch, self.back, nursery.cancel_scope)
+                    for back in self.backs:
+                        nursery.start_soon(watch, back, nursery.cancel_scope)
                     nursery.start_soon(watch, self.forward, nursery.cancel_scope)
         except trio.TooSlowError as exc:
             raise LaneTimeoutError(
@@ -187,7 +216,7 @@ class Lane:
         if isinstance(result, BaseException):
             raise result
         reply = result.message
-        if isinstance(reply, (_proto.Predictions, _proto.Cancelled)) and stream is self.back:
+        if isinstance(reply, (_proto.Predictions, _proto.Cancelled)) and stream is not self.forward:
             if reply.request_id != request_id:
                 raise StageError(
                     f"lane {self.id}: a reply for request {reply.request_id} arrived while "
@@ -201,14 +230,15 @@ class Lane:
         )
 
     def is_live(self) -> bool:
-        return self.forward.is_live() and self.back.is_live()
+        return self.forward.is_live() and all(back.is_live() for back in self.backs)
 
     async def aclose_forcefully(self) -> None:
         # Shielded: in a cancelled context the first close's checkpoint would raise
         # Cancelled and leave the second connection open.
         with trio.CancelScope(shield=True):
             await self.forward.aclose_forcefully()
-            await self.back.aclose_forcefully()
+            for back in self.backs:
+                await back.aclose_forcefully()
 
 
 class LanePool:
@@ -283,19 +313,33 @@ class LanePool:
             ready_timeout=ready_timeout,
             link=self.link,
         )
+        backs: list[FrameStream] = []
+        failure: LaneError | None = None
         try:
-            back = await open_connection(
-                self.last_stage,
-                role=_proto.Role.RETURN,
-                key=key,
-                connect_timeout=connect_timeout,
-                ready_timeout=ready_timeout,
-                link=self.link,
-            )
+            for candidate in alternatives(self.last_stage):  # the last stage and its standbys
+                try:
+                    backs.append(
+                        await open_connection(
+                            candidate,
+                            role=_proto.Role.RETURN,
+                            key=key,
+                            connect_timeout=connect_timeout,
+                            ready_timeout=ready_timeout,
+                            link=self.link,
+                        )
+                    )
+                except LaneError as exc:
+                    failure = exc
+            if not backs:
+                assert failure is not None
+                raise failure
         except BaseException:
-            await forward.aclose_forcefully()
+            with trio.CancelScope(shield=True):
+                await forward.aclose_forcefully()
+                for back in backs:
+                    await back.aclose_forcefully()
             raise
-        return Lane(lane_id, forward, back, return_key=key, reply_timeout=self.reply_timeout)
+        return Lane(lane_id, forward, backs, return_key=key, reply_timeout=self.reply_timeout)
 
     @asynccontextmanager
     async def checkout(self, request_id: int) -> AsyncIterator[Lane]:

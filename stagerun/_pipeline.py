@@ -30,7 +30,7 @@ from ._lanes import Lane, LanePool, open_connection
 from ._sampling import sample_token
 from ._speculative import Drafter, SpeculationConfig, decode_speculative
 from ._text import TextAssembler
-from ._util import single_exceptions
+from ._util import only_of, single_exceptions
 from .abc import ComputeBackend
 from .model import ModelFile
 
@@ -416,17 +416,23 @@ class Pipeline:
             breaks = 0
             while True:
                 try:
-                    async with self.pool.checkout(request_id) as lane:
-                        await lane.request_ack(
-                            _proto.Configure(
-                                request_id=request_id,
-                                return_key=lane.return_key,
-                                prompt_len=len(prompt_ids),
-                                sampling=sampling,
+                    try:
+                        async with self.pool.checkout(request_id) as lane:
+                            await lane.request_ack(
+                                _proto.Configure(
+                                    request_id=request_id,
+                                    return_key=lane.return_key,
+                                    prompt_len=len(prompt_ids),
+                                    sampling=sampling,
+                                )
                             )
-                        )
-                        eog_stop = await decode(lane)
-                    break
+                            eog_stop = await decode(lane)
+                        break
+                    except BaseExceptionGroup as group:  # several tasks saw one broken lane
+                        failure = only_of(group, (LaneError, StageError))
+                        if failure is None:
+                            raise
+                        raise failure from group
                 except (LaneError, StageError) as exc:
                     breaks += 1
                     if breaks > policy.max_breaks:

@@ -40,7 +40,7 @@ from ._errors import (
     StagerunError,
 )
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, server_handshake
-from ._lanes import ENV_SECRET, EnvSecret, open_connection, stage_reply_timeout
+from ._lanes import ENV_SECRET, EnvSecret, alternatives, open_connection, stage_reply_timeout
 from ._sampling import sample_rows
 from .transports import parse_address
 
@@ -102,7 +102,8 @@ class StageServer:
     Args:
         backend: the compute backend for this stage's layers.
         index: this stage's position in the pipeline (0 is the driver, so servers are >= 1).
-        downstream: address of the next stage, or None on the last stage.
+        downstream: address of the next stage, or None on the last stage; several addresses
+            separated by commas are the next stage and its standbys, tried in order.
         wire_dtype: activation dtype used when forwarding downstream.
     """
 
@@ -160,8 +161,9 @@ class StageServer:
 
         The address's scheme picks the transport plugin (``tcp://``, ``ws://``, ...).
         """
-        if self.downstream is not None:
-            plugins.transport_for(self.downstream)  # fail early on an address nobody serves
+        if self.downstream is not None:  # fail early on an address nobody serves
+            for candidate in alternatives(self.downstream):
+                plugins.transport_for(candidate)
         transport = plugins.transport_for(address)
         _warn_if_open(address, self.secret, self.index)
         async with trio.open_nursery() as nursery:

@@ -12,6 +12,7 @@ A topology is a TOML file shared by every host of a pipeline::
     layers = [10, 20]
     backend = "torch"            # optional, default numpy
     listen = "tcp://0.0.0.0:9001"  # optional: what the stage binds, if not its address
+    standby = ["tcp://10.0.0.4:9001"]  # optional: stages with the same layers, tried in order
 
     [[stages]]
     address = "tcp://10.0.0.3:9001"
@@ -46,6 +47,12 @@ class TopologyStage:
     address: str | None
     backend: str = "numpy"
     listen: str | None = None
+    standby: tuple[str, ...] = ()
+
+    @property
+    def addresses(self) -> str:
+        """The address and its standbys, comma-separated (what connecting stages try)."""
+        return ",".join([self.address or "", *self.standby])
 
 
 @attrs.frozen
@@ -59,7 +66,8 @@ class Topology:
 
     @property
     def remote_addresses(self) -> list[str]:
-        return [s.address for s in self.stages[1:] if s.address is not None]
+        """Stages 1.. as stage 0 reaches them: each address followed by its standbys."""
+        return [s.addresses for s in self.stages[1:] if s.address is not None]
 
 
 def load_topology(path: str | os.PathLike[str]) -> Topology:
@@ -121,10 +129,20 @@ def parse_topology(data: dict[str, Any], *, source: str = "<topology>") -> Topol
                 parse_address(listen)
             except ValueError as exc:
                 raise TopologyError(f"{source}: stage {index} listen: {exc}") from None
-        unknown = set(raw) - {"layers", "address", "backend", "listen"}
+        standby = raw.get("standby", [])
+        if not isinstance(standby, list) or not all(isinstance(a, str) for a in standby):
+            raise TopologyError(f'{source}: stage {index} standby must be ["tcp://HOST:PORT", ...]')
+        if standby and index == 0:
+            raise TopologyError(f"{source}: stage 0 is the driver and has no standby")
+        for other in standby:
+            try:
+                parse_address(other)
+            except ValueError as exc:
+                raise TopologyError(f"{source}: stage {index} standby: {exc}") from None
+        unknown = set(raw) - {"layers", "address", "backend", "listen", "standby"}
         if unknown:
             raise TopologyError(
                 f"{source}: stage {index} has unknown keys {', '.join(sorted(unknown))}"
             )
-        stages.append(TopologyStage(index, (lo, hi), address, backend, listen))
+        stages.append(TopologyStage(index, (lo, hi), address, backend, listen, tuple(standby)))
     return Topology(model, tuple(stages))

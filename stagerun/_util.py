@@ -22,3 +22,24 @@ def single_exceptions() -> Iterator[None]:
         if inner is group:
             raise
         raise inner from None
+
+
+def only_of(
+    group: BaseExceptionGroup[BaseException], kinds: tuple[type[BaseException], ...]
+) -> BaseException | None:
+    """The first leaf of ``group`` if every leaf is one of ``kinds``, else None.
+
+    Two tasks of one nursery often fail from the same cause (a lane's reader and writer both
+    see the broken connection): the group then stands for that one failure.
+    """
+    leaves: list[BaseException] = []
+    todo: list[BaseException] = [group]
+    while todo:
+        current = todo.pop()
+        if isinstance(current, BaseExceptionGroup):
+            todo.extend(reversed(current.exceptions))
+        else:
+            leaves.append(current)
+    if leaves and all(isinstance(leaf, kinds) for leaf in leaves):
+        return leaves[0]
+    return None

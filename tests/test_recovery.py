@@ -16,6 +16,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import trio
@@ -30,6 +31,7 @@ from stagerun import (
     serve_stage,
 )
 from stagerun._speculative import SpeculationConfig
+from stagerun._stage import StageServer
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
 
@@ -280,3 +282,54 @@ async def test_recovery_can_be_turned_off(tiny_model: ModelFile) -> None:
                 )
             assert not isinstance(info.value, RecoveryFailedError)
         nursery.cancel_scope.cancel()
+
+
+async def test_standby_stages_take_over_when_the_primaries_die(tiny_model: ModelFile) -> None:
+    """Primaries and standbys for stages 1 and 2; both primaries die mid-generation for good."""
+    ranges = [(0, 1), (1, 2), (2, 4)]
+    scopes = {name: trio.CancelScope() for name in ("p1", "s1", "p2", "s2")}
+    servers: dict[str, StageServer] = {}
+    async with trio.open_nursery() as nursery:
+
+        async def stage(name: str, index: int, downstream: str | None, task_status: Any) -> None:
+            with scopes[name]:
+                server = StageServer(
+                    NumpyBackend(tiny_model, ranges[index]), index=index, downstream=downstream
+                )
+                servers[name] = server
+                await server.serve(task_status=task_status)
+
+        p2 = await nursery.start(stage, "p2", 2, None)
+        s2 = await nursery.start(stage, "s2", 2, None)
+        p1 = await nursery.start(stage, "p1", 1, f"{p2},{s2}")
+        s1 = await nursery.start(stage, "s1", 1, f"{p2},{s2}")
+
+        def kill_primaries() -> None:
+            scopes["p1"].cancel()
+            scopes["p2"].cancel()
+
+        remote = [f"{p1},{s1}", f"{p2},{s2}"]
+        async with open_pipeline(tiny_model, layers=ranges, remote=remote) as pipeline:
+            want = await pipeline.complete(PROMPT, max_tokens=TOKENS, ignore_eog=True)
+            assert servers["s1"].computes == 0 and servers["s2"].computes == 0
+            got = await pipeline.complete(
+                PROMPT, max_tokens=TOKENS, ignore_eog=True, on_token=after(FAIL_AT, kill_primaries)
+            )
+            health = await pipeline.check_health()
+        assert got.token_ids == want.token_ids
+        assert got.timings["recoveries"] == 1
+        assert servers["s1"].computes > 0 and servers["s2"].computes > 0
+        assert [h.state for h in health] == ["ready"] * 3
+        nursery.cancel_scope.cancel()
+
+
+def test_a_group_of_lane_failures_counts_as_one_lane_failure() -> None:
+    from stagerun import LaneBrokenError, LaneTimeoutError
+    from stagerun._errors import LaneError, StageError
+    from stagerun._util import only_of
+
+    first, second = LaneBrokenError("reader"), LaneTimeoutError("writer")
+    group = BaseExceptionGroup("x", [first, BaseExceptionGroup("y", [second])])
+    assert only_of(group, (LaneError, StageError)) is first
+    mixed = BaseExceptionGroup("x", [first, ValueError("a bug")])
+    assert only_of(mixed, (LaneError, StageError)) is None

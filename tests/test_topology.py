@@ -75,6 +75,22 @@ def test_a_stage_may_bind_another_address_than_the_one_it_is_reached_at(tmp_path
     )
 
 
+def test_standby_stages_follow_their_primary(tmp_path: Path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(
+        "[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,30]\naddress='tcp://h1:1'\n"
+        "standby=['tcp://h2:1', 'tls://h3:1']\n"
+    )
+    topology = load_topology(path)
+    assert topology.stages[1].standby == ("tcp://h2:1", "tls://h3:1")
+    assert topology.remote_addresses == ["tcp://h1:1,tcp://h2:1,tls://h3:1"]
+    path.write_text(
+        "[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,9]\naddress='tcp://h:1'\nstandby='x'"
+    )
+    with pytest.raises(TopologyError, match="standby must be"):
+        load_topology(path)
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(TopologyError, match="does not exist"):
         load_topology(tmp_path / "none.toml")
