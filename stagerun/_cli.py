@@ -285,6 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list the models stagerun can find by name")
 
+    load = bench_sub.add_parser(
+        "load", help="many concurrent clients against stagerun serve: completed, 429, lost"
+    )
+    load.add_argument("--requests", type=int, default=200)
+    load.add_argument("--clients", type=int, default=16)
+    load.add_argument("--max-tokens", type=int, default=24)
+    load.add_argument("--stages", type=int, default=3)
+    load.add_argument("--parallel", type=int, default=4, help="the server's --parallel")
+    load.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue")
+    load.add_argument("--model", default="smollm2")
+    load.add_argument("--json", action="store_true")
+
     recovery = bench_sub.add_parser(
         "recovery", help="kill -9 a stage mid-generation: detection, restart, replay times"
     )

@@ -117,3 +117,22 @@ def test_16_clients_every_request_completes_or_gets_429(tmp_path: pathlib.Path) 
     finally:
         code, _ = live.stop()
     assert code == 0
+
+
+def test_bench_load_reports_every_request(tmp_path: pathlib.Path) -> None:
+    """`stagerun bench load`, the full-size version's command, on the tiny model."""
+    import json
+    import subprocess
+    import sys
+
+    tiny = write_tiny_model(tmp_path / "tiny.gguf", n_layers=6)
+    out = subprocess.run(
+        [sys.executable, "-m", "stagerun", "bench", "load", "--model", str(tiny),
+         "--requests", "32", "--clients", "8", "--parallel", "2", "--max-queue", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.splitlines()[-1])
+    assert sum(report["outcomes"].values()) == 32
+    assert set(report["outcomes"]) <= {"ok", "429"}
+    assert report["rss_after_mib"] - report["rss_warm_mib"] < 64
