@@ -7,8 +7,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -120,6 +121,22 @@ def _secret_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _telemetry_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--telemetry",
+        choices=["off", "summary", "debug"],
+        default=None,
+        help="record events and spans (default $STAGERUN_TELEMETRY or off; see "
+        "docs/observability.md)",
+    )
+    p.add_argument(
+        "--telemetry-jsonl",
+        default=None,
+        metavar="PATH",
+        help="append telemetry as JSON lines to PATH, or 'stderr' (default: stderr)",
+    )
+
+
 def _reliability_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--recovery-timeout",
@@ -227,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pipeline_options(gen)
     _reliability_options(gen)
     _secret_option(gen)
+    _telemetry_options(gen)
     _sampling_options(gen)
     _speculation_options(gen)
     _link_options(gen)
@@ -261,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     _link_options(stage)
     _secret_option(stage)
+    _telemetry_options(stage)
 
     bench = sub.add_parser("bench", help="measure throughput, side by side in one run")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
@@ -284,6 +303,23 @@ def build_parser() -> argparse.ArgumentParser:
     _link_options(spec)
 
     sub.add_parser("models", help="list the models stagerun can find by name")
+
+    prefill = bench_sub.add_parser(
+        "prefill", help="time to first token: one unchunked prefill vs planned, pipelined chunks"
+    )
+    prefill.add_argument("--stages", type=_stage_counts, default=[2, 3])
+    prefill.add_argument("--prompt-tokens", type=int, default=1500)
+    prefill.add_argument("--hop-delay-ms", type=float, default=10.0)
+    prefill.add_argument("--rounds", type=int, default=3)
+    prefill.add_argument(
+        "--policies",
+        type=_transport_list,
+        default=("unchunked", "adaptive"),
+        help="prefill chunk policies to compare, the first is the baseline: unchunked, "
+        "adaptive, a size or a schedule like 128,256 (default unchunked,adaptive)",
+    )
+    prefill.add_argument("--json", action="store_true")
+    _add_pipeline_options(prefill)
 
     load = bench_sub.add_parser(
         "load", help="many concurrent clients against stagerun serve: completed, 429, lost"
@@ -371,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     _link_options(serve)
     _reliability_options(serve)
     _secret_option(serve)
+    _telemetry_options(serve)
     serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     _plugin_options(serve)
     serve.add_argument(
@@ -411,15 +448,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         ("tls_cert", "STAGERUN_TLS_CERT"),
         ("tls_key", "STAGERUN_TLS_KEY"),
         ("tls_ca", "STAGERUN_TLS_CA"),
+        ("telemetry_jsonl", "STAGERUN_TELEMETRY_JSONL"),
     ):
         value = getattr(args, option, None)
         if value is not None:
-            os.environ[variable] = os.path.abspath(value)
+            os.environ[variable] = value if value == "stderr" else os.path.abspath(value)
+    if getattr(args, "telemetry", None) is not None:
+        os.environ["STAGERUN_TELEMETRY"] = args.telemetry
     lane_secret()  # an unreadable or too short secret fails here, in one line
     if args.command == "generate":
-        return trio.run(_generate, args)
+        return trio.run(_telemetered, _generate, args, 0)
     if args.command == "stage":
-        return trio.run(_stage, args)
+        return trio.run(_telemetered, _stage, args, args.index)
     if args.command == "bench":
         from ._bench import run_bench
 
@@ -433,6 +473,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return serve_main(args)
     return 2
+
+
+async def _telemetered(
+    command: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace, stage: int
+) -> int:
+    """Run ``command`` with the telemetry ``$STAGERUN_TELEMETRY*`` asks for, drained to the end."""
+    from . import telemetry
+
+    tel = telemetry.configure_from_env(common={"stagerun.stage_id": stage})
+    async with telemetry.draining(tel):
+        return await command(args)
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -569,6 +620,12 @@ async def _stage(args: argparse.Namespace) -> int:
         print(
             f"stagerun: stage {args.index} (layers {lo}..{hi}) ready at {address}", file=sys.stderr
         )
+        # SIGTERM (what a supervisor sends) stops the stage like Ctrl-C: through the nursery,
+        # so open lanes close and the telemetry queue is flushed.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
     return 0
 
 

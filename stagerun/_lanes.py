@@ -35,11 +35,12 @@ from typing import Any, Final
 import numpy as np
 import trio
 
-from . import _proto, plugins
+from . import _proto, plugins, telemetry
 from ._auth import lane_secret
 from ._errors import LaneBrokenError, LaneError, LaneTimeoutError, StageError
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, client_handshake
 from ._proto._prefill import PrefillTransportEstimate
+from .telemetry import now_ns
 
 log = logging.getLogger("stagerun.lanes")
 
@@ -296,15 +297,40 @@ class LanePool:
 
     async def start(self) -> None:
         """Connect ``capacity`` lanes, one after another; any failure fails the start."""
+        started = now_ns()
         for _ in range(self.capacity):
             lane = await self.connect_lane(self.connect_timeout, self.ready_timeout)
             self._idle.append(lane)
+        telemetry.current().span(
+            "stage.openai_downstream_pool_ready",
+            started,
+            {
+                "llama_stage.openai_downstream_pool_capacity": self.capacity,
+                "llama_stage.elapsed_ms": (now_ns() - started) / 1e6,
+            },
+        )
         log.debug("lane pool ready: %r", self)
 
     async def connect_lane(self, connect_timeout: float, ready_timeout: float) -> Lane:
         """Open a new lane with a fresh, never reused id."""
         lane_id = self._next_id
         self._next_id += 1
+        started = now_ns()
+        lane = await self._connect_lane(lane_id, connect_timeout, ready_timeout)
+        telemetry.current().span(
+            "stage.openai_downstream_persistent_connect",
+            started,
+            {
+                "llama_stage.openai_downstream_lane_id": lane_id,
+                "llama_stage.openai_downstream_pool_capacity": self.capacity,
+                "llama_stage.elapsed_ms": (now_ns() - started) / 1e6,
+            },
+        )
+        return lane
+
+    async def _connect_lane(
+        self, lane_id: int, connect_timeout: float, ready_timeout: float
+    ) -> Lane:
         key = secrets.randbits(64)
         forward = await open_connection(
             self.downstream,
@@ -349,13 +375,26 @@ class LanePool:
         puts the lane back; on any exception (cancellation included) the lane is closed
         without ``Stop`` and replaced.
         """
+        started = now_ns()
         lane = self._idle.pop() if self._idle else None
+        reused = lane is not None
         if lane is not None and not lane.is_live():
             log.info("lane %d was dead at checkout; connecting a fresh one", lane.id)
             await lane.aclose_forcefully()
-            lane = None
+            lane, reused = None, False
         if lane is None:
             lane = await self.connect_lane(self.steady_timeout, self.steady_timeout)
+        telemetry.current().span(
+            "stage.openai_downstream_connect",
+            started,
+            {
+                "llama_stage.openai_downstream_persistent": reused,
+                "llama_stage.openai_downstream_lane_id": lane.id,
+                "llama_stage.openai_downstream_pool_capacity": self.capacity,
+                "llama_stage.request_id": request_id,
+                "llama_stage.elapsed_ms": (now_ns() - started) / 1e6,
+            },
+        )
         self._busy += 1
         try:
             try:
@@ -367,6 +406,14 @@ class LanePool:
                 await lane.request_ack(_proto.Stop(request_id=request_id))
             except (LaneError, StageError) as exc:
                 log.info("lane %d failed to stop cleanly (%s); replacing it", lane.id, exc)
+                telemetry.current().event(
+                    "stage.openai_downstream_lane_return_failed",
+                    {
+                        "llama_stage.openai_downstream_lane_id": lane.id,
+                        "llama_stage.request_id": request_id,
+                        "llama_stage.error": type(exc).__name__,
+                    },
+                )
                 await self._retire(lane)
             else:
                 self._idle.append(lane)
@@ -385,9 +432,23 @@ class LanePool:
         except LaneError as exc:
             self.replace_failures += 1
             log.warning("could not replace lane %d: %s", retired_lane_id, exc)
+            telemetry.current().event(
+                "stage.openai_downstream_lane_replace_failed",
+                {
+                    "llama_stage.openai_downstream_retired_lane_id": retired_lane_id,
+                    "llama_stage.error": type(exc).__name__,
+                },
+            )
             return
         self.replaced += 1
         log.info("lane %d replaced by lane %d", retired_lane_id, lane.id)
+        telemetry.current().event(
+            "stage.openai_downstream_lane_replaced",
+            {
+                "llama_stage.openai_downstream_retired_lane_id": retired_lane_id,
+                "llama_stage.openai_downstream_lane_id": lane.id,
+            },
+        )
         self._idle.append(lane)
 
     async def ensure_idle_lane(self) -> None:

@@ -21,7 +21,14 @@ from . import _proto, plugins
 from ._errors import StageError
 from ._framed import LinkEmulation
 from ._lanes import LanePool
-from ._pipeline import DEFAULT_PREFILL_CHUNK, Pipeline, RecoveryPolicy, StageInfo
+from ._pipeline import (
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PREFILL_CREDIT,
+    Pipeline,
+    RecoveryPolicy,
+    StageInfo,
+)
+from ._proto._prefill import ChunkPolicy
 from ._speculative import SpeculationConfig
 from ._stage import serve_stage
 from ._supervise import StageProcess, SupervisionPolicy, stage_command
@@ -72,7 +79,8 @@ async def open_pipeline(
     threads: int | None = None,
     wire_dtype: _proto.ActivationDType = "f32",
     capacity: int = 1,
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    prefill_chunk: int | str | ChunkPolicy = DEFAULT_PREFILL_CHUNK,
+    prefill_credit: int = DEFAULT_PREFILL_CREDIT,
     host: str = "127.0.0.1",
     hop_delay_ms: float = 0.0,
     bandwidth_mbps: float | None = None,
@@ -99,7 +107,10 @@ async def open_pipeline(
         threads: compute (BLAS) threads per stage.
         wire_dtype: activation dtype on the wire (f32, f16 or q8).
         capacity: lanes in the pool (concurrent requests served without connecting more).
-        prefill_chunk: prompt tokens per prefill frame.
+        prefill_chunk: how prompts are cut into prefill chunks: ``"adaptive"`` (default: a
+            ramp that grows while transport hides under compute), a size (``256``) or a
+            schedule (``"128,256,384"``).
+        prefill_credit: prefill chunks in flight past stage 0 at once (1 = wait for each).
         hop_delay_ms: emulate a WAN link: every frame on every lane is delivered this much
             later (stages started here and stage 0 alike; remote stages set their own).
         bandwidth_mbps: with ``hop_delay_ms``, also cap each link's bandwidth.
@@ -241,6 +252,7 @@ async def open_pipeline(
                 pool,
                 wire_dtype=wire_dtype,
                 prefill_chunk=prefill_chunk,
+                prefill_credit=prefill_credit,
                 speculation=speculation,
                 recovery=recovery,
             )

@@ -24,9 +24,19 @@ import attrs
 import numpy as np
 import trio
 
-from . import _proto, plugins
+from . import _proto, plugins, telemetry
 from ._errors import LaneError, RecoveryFailedError, StageError
 from ._lanes import Lane, LanePool, open_connection
+from ._proto._prefill import (
+    AdaptiveRamp,
+    ChunkPolicy,
+    DownstreamPrefillReport,
+    FixedChunks,
+    PrefillChunkObservation,
+    PrefillPlanner,
+    ScheduleChunks,
+    parse_chunk_policy,
+)
 from ._sampling import sample_token
 from ._speculative import Drafter, SpeculationConfig, decode_speculative
 from ._text import TextAssembler
@@ -34,7 +44,8 @@ from ._util import only_of, single_exceptions
 from .abc import ComputeBackend
 from .model import ModelFile
 
-DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_CHUNK = "adaptive"
+DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowledged
 
 log = logging.getLogger("stagerun.pipeline")
 
@@ -152,7 +163,8 @@ class Pipeline:
         pool: LanePool | None,
         *,
         wire_dtype: _proto.ActivationDType,
-        prefill_chunk: int,
+        prefill_chunk: int | str | ChunkPolicy = "adaptive",
+        prefill_credit: int = DEFAULT_PREFILL_CREDIT,
         speculation: SpeculationConfig | None = None,
         recovery: RecoveryPolicy | None = None,
     ) -> None:
@@ -166,7 +178,15 @@ class Pipeline:
         self.stages = stages
         self.pool = pool
         self.wire_dtype = wire_dtype
-        self.prefill_chunk = prefill_chunk
+        self.prefill_policy = (
+            prefill_chunk
+            if isinstance(prefill_chunk, (FixedChunks, ScheduleChunks, AdaptiveRamp))
+            else parse_chunk_policy(str(prefill_chunk))
+        )
+        if prefill_credit < 1:
+            raise ValueError(f"prefill_credit must be at least 1, got {prefill_credit}")
+        self.prefill_credit = prefill_credit
+        self.last_prefill: PrefillReport | None = None
         self._backend0 = backend0
         self._compute_lock = trio.Lock()
         self._shared_drafters: dict[tuple[str, str | None], Drafter] = {}
@@ -374,7 +394,7 @@ class Pipeline:
             nonlocal t_first
             context = [*prompt_ids, *generated]
             replay_start = time.perf_counter()
-            first = await self._first_token(lane, request_id, cache, context, sampling)
+            first = await self._first_token(lane, request_id, cache, context, sampling, extra)
             if t_first is None:
                 t_first = time.perf_counter()
             else:  # a recovery: the replay took this long
@@ -401,8 +421,26 @@ class Pipeline:
                 extra.update(spec_timings)  # after a recovery: the last stretch's figures
                 return reason == "eog"
             token, position = first, len(context)
+            tel = telemetry.current()
             while True:
+                step_start = telemetry.now_ns() if tel.debug_enabled else 0
                 token = await self._decode_step(lane, request_id, cache, token, position, sampling)
+                if tel.debug_enabled:
+                    step = len(generated)
+                    tel.debug_span(
+                        "stage.openai_decode_token",
+                        step_start,
+                        {
+                            "llama_stage.request_id": request_id,
+                            "llama_stage.decode_step": step,
+                            "llama_stage.pos_start": position,
+                            "llama_stage.token_phase": "cold"
+                            if step == 1
+                            else "warmup"
+                            if step < 8
+                            else "steady",
+                        },
+                    )
                 position += 1
                 if token in eog:
                     return True
@@ -477,6 +515,35 @@ class Pipeline:
         }
         timings.update(extra)
         finish: Literal["stop", "length"] = "stop" if eog_stop or assembler.stopped else "length"
+        tel = telemetry.current()
+        if tel.enabled:
+            start_ns = telemetry.now_ns() - int((t_end - t_start) * 1e9)
+            first_ns = start_ns + int((t_first - t_start) * 1e9)
+            tel.span(
+                "stage.openai_decode",
+                first_ns,
+                {
+                    "llama_stage.request_id": request_id,
+                    "llama_stage.token_count": n,
+                    "llama_stage.speculative": drafter is not None,
+                    "llama_stage.elapsed_ms": decode_ms,
+                },
+            )
+            tel.span(
+                "stage.openai_generation_summary",
+                start_ns,
+                {
+                    "llama_stage.request_id": request_id,
+                    "llama_stage.prompt_token_count": len(prompt_ids),
+                    "llama_stage.completion_token_count": n,
+                    "llama_stage.prompt_ms": timings["prompt_ms"],
+                    "llama_stage.decode_ms": decode_ms,
+                    "llama_stage.finish_reason": finish,
+                    "llama_stage.recoveries": int(extra.get("recoveries", 0)),
+                    "llama_stage.stages": len(self.stages),
+                    "llama_stage.elapsed_ms": (t_end - t_start) * 1000.0,
+                },
+            )
         return Completion(
             text=assembler.text,
             token_ids=generated,
@@ -533,11 +600,14 @@ class Pipeline:
         cache: Any,
         prompt_ids: list[int],
         sampling: _proto.SamplingParams,
+        timings: dict[str, Any] | None = None,
     ) -> int:
         if lane is None:
             logits = await self._compute0(cache, 0, prompt_ids)
             return sample_token(logits[-1], sampling, len(prompt_ids))
-        await self._prefill(lane, request_id, cache, prompt_ids)
+        report = await self._prefill(lane, request_id, cache, prompt_ids)
+        if timings is not None:
+            timings["prefill_chunks"] = timings.get("prefill_chunks", 0) + report.chunks
         reply = await lane.receive_predictions(request_id)
         return int(reply.tokens[-1])
 
@@ -563,25 +633,144 @@ class Pipeline:
         reply = await lane.receive_predictions(request_id)
         return int(reply.tokens[-1])
 
-    async def _prefill(self, lane: Any, request_id: int, cache: Any, prompt_ids: list[int]) -> None:
-        chunk = self.prefill_chunk
-        for index, start in enumerate(range(0, len(prompt_ids), chunk)):
-            piece = prompt_ids[start : start + chunk]
-            last = start + chunk >= len(prompt_ids)
-            hidden = await self._compute0(cache, start, piece, logits="all")
+    async def _prefill(
+        self, lane: Any, request_id: int, cache: Any, prompt_ids: list[int]
+    ) -> PrefillReport:
+        """Send the prompt in planned chunks, up to ``prefill_credit`` of them unacknowledged.
+
+        Stage 0 computes chunk i+1 while the later stages work on chunk i. The last chunk asks
+        for the prediction; the acks of the others (each carrying the whole chain's stats for
+        its chunk) are drained before the prediction is read, and feed the pool's transport
+        estimate, which seeds the next request's planner.
+        """
+        total = len(prompt_ids)
+        planner = PrefillPlanner(self.prefill_policy, total)
+        estimate = self.pool.prefill_transport if self.pool is not None else None
+        if estimate is not None:
+            planner.seed(estimate)
+        report = PrefillReport(policy=repr(self.prefill_policy))
+        down = _proto.StageStats()
+        tel = telemetry.current()
+        prefill_start = telemetry.now_ns()
+        pending, position = 0, 0
+        prefill_t0 = time.perf_counter()
+        while position < total:
+            size = planner.next_size(total - position)
+            piece = prompt_ids[position : position + size]
+            last = position + size >= total
+            started = time.perf_counter()
+            hidden = await self._compute0(cache, position, piece, logits="all")
+            computed = time.perf_counter()
             await lane.send(
                 _proto.Prefill(
                     request_id=request_id,
-                    chunk_index=index,
-                    position=start,
+                    chunk_index=report.chunks,
+                    position=position,
                     tokens=tuple(piece),
                     predict=last,
                 ),
                 hidden,
                 self.wire_dtype,
             )
+            written = time.perf_counter()
             if not last:
-                await lane.receive_ack()
+                pending += 1
+                while pending >= self.prefill_credit:
+                    down = down.merge((await lane.receive_ack()).stats)
+                    pending -= 1
+            waited = time.perf_counter()
+            chunk = PrefillChunkObservation(
+                compute_ms=(computed - started) * 1000.0,
+                forward_write_ms=(written - computed) * 1000.0,
+                downstream_wait_ms=(waited - written) * 1000.0,
+            )
+            planner.observe(chunk)
+            report.add(len(piece), chunk)
+            if tel.debug_enabled:
+                tel.debug_span(
+                    "stage.openai_prefill_chunk",
+                    prefill_start + int((started - prefill_t0) * 1e9),
+                    {
+                        "llama_stage.request_id": request_id,
+                        "llama_stage.seq_id": report.chunks - 1,
+                        "llama_stage.pos_start": position,
+                        "llama_stage.token_count": len(piece),
+                        "llama_stage.stage0_compute_ms": chunk.compute_ms,
+                        "llama_stage.forward_write_ms": chunk.forward_write_ms,
+                        "llama_stage.downstream_wait_ms": chunk.downstream_wait_ms,
+                    },
+                )
+            position += size
+        acked = report.chunks - 1
+        while pending:
+            down = down.merge((await lane.receive_ack()).stats)
+            pending -= 1
+        report.finish(planner)
+        self.last_prefill = report
+        tel.span(
+            "stage.openai_prefill",
+            prefill_start,
+            {
+                "llama_stage.request_id": request_id,
+                "llama_stage.token_count": total,
+                "llama_stage.prefill_chunks": report.chunks,
+                "llama_stage.prefill_chunks_grew": report.grew,
+                "llama_stage.prefill_chunks_shrank": report.shrank,
+                "llama_stage.prefill_max_forward_write_ms": report.max_write_ms,
+                "llama_stage.prefill_max_downstream_wait_ms": report.max_wait_ms,
+                "llama_stage.downstream_compute_ms": down.compute_us / 1000.0,
+                "llama_stage.elapsed_ms": (telemetry.now_ns() - prefill_start) / 1e6,
+            },
+        )
+        if estimate is not None and acked:
+            estimate.observe(
+                stage_index=0,
+                compute_ms=report.representative_compute_ms,
+                compute_tokens=report.representative_tokens,
+                forward_write_ms=report.max_write_ms,
+                downstream_wait_ms=report.max_wait_ms,
+                downstream=DownstreamPrefillReport(
+                    compute_ms=down.slowest_compute_us / 1000.0,
+                    compute_tokens=down.slowest_tokens,
+                    compute_stage_index=down.slowest_stage,
+                    edge_write_ms=down.edge_write_us / 1000.0,
+                    edge_wait_ms=down.edge_wait_us / 1000.0,
+                    edge_stage_index=down.edge_stage,
+                    observations=acked,
+                ),
+            )
+        return report
+
+
+@attrs.define
+class PrefillReport:
+    """How one request's prefill went: chunk sizes and stage 0's view of each chunk."""
+
+    policy: str
+    chunks: int = 0
+    sizes: list[int] = attrs.Factory(list)
+    representative_tokens: int = 0
+    representative_compute_ms: float = 0.0
+    max_write_ms: float = 0.0
+    max_wait_ms: float = 0.0
+    grew: int = 0
+    shrank: int = 0
+
+    def add(self, tokens: int, chunk: PrefillChunkObservation) -> None:
+        self.chunks += 1
+        self.sizes.append(tokens)
+        # the representative chunk: the most tokens, the slowest on a tie
+        if (tokens, chunk.compute_ms) > (
+            self.representative_tokens,
+            self.representative_compute_ms,
+        ):
+            self.representative_tokens = tokens
+            self.representative_compute_ms = chunk.compute_ms
+        self.max_write_ms = max(self.max_write_ms, chunk.forward_write_ms)
+        self.max_wait_ms = max(self.max_wait_ms, chunk.downstream_wait_ms)
+
+    def finish(self, planner: PrefillPlanner) -> None:
+        self.grew, self.shrank = planner.grew, planner.shrank
 
 
 class GenerationStream:

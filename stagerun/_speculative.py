@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from . import _proto, plugins
+from . import _proto, plugins, telemetry
 from ._lanes import Lane
 from ._proto import (
     Commit,
@@ -186,6 +186,35 @@ class DepthControl:
         self.allowed = self._depth_for(self.full_accept_rate)
 
 
+def _window_spans(
+    tel: telemetry.Telemetry,
+    request_id: int,
+    reply: _proto.Predictions | _proto.Cancelled,
+    opened_ns: dict[int, tuple[int, int]],
+    accepted: int,
+) -> None:
+    """One ``stage.openai_decode_verify_window`` span per window that came back or was dropped."""
+    cancelled = isinstance(reply, _proto.Cancelled)
+    ids = reply.window_ids if isinstance(reply, _proto.Cancelled) else (reply.window_id,)
+    for window_id in ids:
+        opened = opened_ns.pop(window_id, None)
+        if opened is None:
+            continue
+        start, inputs = opened
+        tel.span(
+            "stage.openai_decode_verify_window",
+            start,
+            {
+                "llama_stage.request_id": request_id,
+                "llama_stage.verify_window_id": window_id,
+                "llama_stage.verify_window_token_count": inputs,
+                "llama_stage.verify_window_accepted": 0 if cancelled else accepted,
+                "llama_stage.verify_window_cancelled": cancelled,
+                "llama_stage.elapsed_ms": (telemetry.now_ns() - start) / 1e6,
+            },
+        )
+
+
 async def decode_speculative(
     *,
     lane: Lane | None,
@@ -234,8 +263,13 @@ async def decode_speculative(
     pace = PaceCheck()
     generated_at_start = controller.generated_count
 
+    tel = telemetry.current()
+    opened_ns: dict[int, tuple[int, int]] = {}  # window id -> (opened at, input tokens)
+
     async def send(window: _proto.VerifyWindow) -> None:
         pace.opened(window.id, now_ms())
+        if tel.enabled:
+            opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
         inputs = list(window.inputs)
         if lane is None:
             logits = await compute0(window.base_position, inputs, "all")
@@ -342,6 +376,10 @@ async def decode_speculative(
                         controller.on_predictions(reply.window_id, reply.tokens, now_ms=now_ms())
                     )
                 stats = controller.stats()
+                if tel.enabled:
+                    _window_spans(
+                        tel, request_id, reply, opened_ns, stats.accepted - before.accepted
+                    )
                 depth.observe(before, stats)
                 if (
                     drafting

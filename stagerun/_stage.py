@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 import trio
 
-from . import _proto, plugins
+from . import _proto, plugins, telemetry
 from ._auth import SECRET_FILE_ENV, is_loopback, lane_secret
 from ._errors import (
     ComputeCancelled,
@@ -42,6 +42,7 @@ from ._errors import (
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, server_handshake
 from ._lanes import ENV_SECRET, EnvSecret, alternatives, open_connection, stage_reply_timeout
 from ._sampling import sample_rows
+from .telemetry import now_ns
 from .transports import parse_address
 
 log = logging.getLogger("stagerun.stage")
@@ -90,6 +91,12 @@ class Session:
     cache: Any
     sampling: _proto.SamplingParams
     prompt_len: int
+    started_ns: int = attrs.field(factory=now_ns)
+    messages: int = 0
+    computes: int = 0
+    tokens: int = 0
+    compute_us: int = 0
+    forward_write_us: int = 0
 
 
 def _us_since(start: float) -> int:
@@ -235,6 +242,15 @@ class StageServer:
             return await trio.to_thread.run_sync(fn)
 
 
+@attrs.frozen
+class _OwedAck:
+    """An ``Ack`` this stage owes upstream once the downstream acknowledges ``request_id``."""
+
+    request_id: int
+    stats: _proto.StageStats
+    sent: float  # when the message went downstream (perf_counter)
+
+
 class _LaneTask:
     """Carries out the frames of one upstream lane connection, in order.
 
@@ -255,10 +271,14 @@ class _LaneTask:
         self._upstream_closed = False
         self._cancelled: dict[int, set[int]] = {}  # request id -> cancelled window ids
         self._replied: dict[int, set[int]] = {}  # last stage: windows already answered
+        # Acks owed upstream, in order: the downstream acks them first (see _relay_acks).
+        self._owed: deque[_OwedAck] = deque()
+        self._nursery: trio.Nursery | None = None
 
     async def run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._read_upstream)
                 await self._work()
                 nursery.cancel_scope.cancel()
@@ -278,7 +298,19 @@ class _LaneTask:
     async def _read_upstream(self) -> None:
         try:
             while True:
+                started = now_ns()
                 frame = await self.up.receive()
+                tel = telemetry.current()
+                if tel.debug_enabled:
+                    tel.debug_span(
+                        "stage.binary_recv",
+                        started,
+                        {
+                            "llama_stage.stage_index": self.server.index,
+                            "llama_stage.message_kind": frame.message.kind,
+                            "llama_stage.request_id": frame.message.request_id,
+                        },
+                    )
                 if isinstance(frame.message, _proto.Cancel):
                     self._apply_cancel(frame.message)
                 self._queue.append(frame)
@@ -329,6 +361,8 @@ class _LaneTask:
         if self.down is None:
             assert self.server.downstream is not None
             self.down = await _connect_with_retry(self.server.downstream, self.server.link)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._relay_acks, self.down)
         return self.down
 
     async def _dispatch(self, frame: _proto.Frame) -> None:
@@ -355,7 +389,9 @@ class _LaneTask:
                     session.cache.trim(message.position)
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
             case _proto.Stop():
-                self.sessions.pop(message.request_id, None)
+                ended = self.sessions.pop(message.request_id, None)
+                if ended is not None:
+                    self._summarize(message.request_id, ended)
                 self._cancelled.pop(message.request_id, None)
                 self._replied.pop(message.request_id, None)
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
@@ -363,6 +399,23 @@ class _LaneTask:
                 await self._cancel(message)
             case _:
                 raise LaneError(f"{type(message).__name__} is not a request a stage accepts")
+
+    def _summarize(self, request_id: int, session: Session) -> None:
+        telemetry.current().span(
+            "stage.binary_request_summary",
+            session.started_ns,
+            {
+                "llama_stage.stage_index": self.server.index,
+                "llama_stage.request_id": request_id,
+                "llama_stage.message_count": session.messages,
+                "llama_stage.computes": session.computes,
+                "llama_stage.token_count": session.tokens,
+                "llama_stage.compute_ms": session.compute_us / 1000.0,
+                "llama_stage.forward_write_ms": session.forward_write_us / 1000.0,
+                "llama_stage.stale_dropped": self.server.stale_dropped,
+                "llama_stage.stale_stopped": self.server.stale_stopped,
+            },
+        )
 
     async def _cancel(self, message: _proto.Cancel) -> None:
         if not self.server.is_last:
@@ -384,7 +437,6 @@ class _LaneTask:
         if self.server.is_last:
             await self.up.send(_proto.Ack(request_id=message.request_id, stats=own))
             return
-        start = time.perf_counter()
         try:
             down = await self._downstream(fresh_session=fresh_session)
             await down.send(message, timeout=self.server.reply_timeout)
@@ -393,21 +445,43 @@ class _LaneTask:
                 message.request_id, f"downstream stage unreachable: {exc}", upstream=True
             )
             raise
-        await self._ack_upstream(down, message.request_id, own, start)
+        self._owed.append(_OwedAck(message.request_id, own, time.perf_counter()))
 
-    async def _ack_upstream(
-        self, down: FrameStream, request_id: int, own: _proto.StageStats, start: float
-    ) -> None:
-        """Wait for the downstream reply and acknowledge upstream with the merged stats."""
-        reply = (await down.receive(timeout=self.server.reply_timeout)).message
-        if isinstance(reply, _proto.Ack):
-            stats = own.merge(reply.stats)
-            stats = attrs.evolve(
-                stats, downstream_wait_us=stats.downstream_wait_us + _us_since(start)
-            )
-            await self.up.send(_proto.Ack(request_id=request_id, stats=stats))
-        else:
-            await self.up.send(reply)  # an Error from further down travels up unchanged
+    async def _relay_acks(self, down: FrameStream) -> None:
+        """Acknowledge upstream as the downstream acknowledges, merging this stage's stats.
+
+        The worker never waits for a downstream ``Ack``: it forwards and moves on to the next
+        frame, so a prefill chunk computes here while the one before it computes further down
+        (stage 0 keeps a bounded number of chunks unacknowledged). Acks come back in the order
+        the messages went down; ``Error`` replies travel up unchanged. A broken downstream ends
+        the lane, and so the break travels up the chain.
+        """
+        server = self.server
+        while True:
+            try:
+                reply = (await down.receive()).message
+            except LaneError as exc:
+                if down is self.down:
+                    log.info("stage %d: downstream %s ended: %s", server.index, down.peer, exc)
+                    assert self._nursery is not None
+                    self._nursery.cancel_scope.cancel()
+                return  # else the hop was replaced at the start of a request
+            owed = self._owed.popleft() if self._owed else None
+            if isinstance(reply, _proto.Ack) and owed is not None:
+                wait_us = _us_since(owed.sent)
+                own = owed.stats
+                if own.slowest_tokens:  # a prefill chunk: this stage's edge is this hop
+                    own = attrs.evolve(
+                        own,
+                        edge_write_us=own.forward_write_us,
+                        edge_wait_us=wait_us,
+                        edge_stage=server.index,
+                    )
+                stats = own.merge(reply.stats)
+                stats = attrs.evolve(stats, downstream_wait_us=stats.downstream_wait_us + wait_us)
+                await self.up.send(_proto.Ack(request_id=owed.request_id, stats=stats))
+            else:
+                await self.up.send(reply)  # an Error from further down, unchanged
 
     async def _forward_pass(
         self,
@@ -454,16 +528,55 @@ class _LaneTask:
         except (ValueError, StagerunError) as exc:
             await self._fail(message.request_id, f"compute failed: {exc}", upstream=fail_upstream)
             return
+        compute_us = _us_since(start)
+        session.messages += 1
+        session.computes += 1
+        session.tokens += len(message.tokens)
+        session.compute_us += compute_us
+        tel = telemetry.current()
+        if tel.debug_enabled:
+            tel.debug_span(
+                "stage.binary_llama_decode",
+                now_ns() - compute_us * 1000,
+                {
+                    "llama_stage.stage_index": server.index,
+                    "llama_stage.message_kind": message.kind,
+                    "llama_stage.request_id": message.request_id,
+                    "llama_stage.pos_start": message.position,
+                    "llama_stage.token_count": len(message.tokens),
+                    "llama_stage.elapsed_ms": compute_us / 1000.0,
+                },
+            )
         stats = _proto.StageStats(
-            compute_us=_us_since(start), stage_count=1, token_count=len(message.tokens)
+            compute_us=compute_us, stage_count=1, token_count=len(message.tokens)
         )
+        if isinstance(message, _proto.Prefill):
+            stats = attrs.evolve(
+                stats,
+                slowest_compute_us=compute_us,
+                slowest_tokens=len(message.tokens),
+                slowest_stage=server.index,
+            )
         if not server.is_last:
             down = await self._downstream()
             write_start = time.perf_counter()
             await down.send(message, out, server.wire_dtype, timeout=server.reply_timeout)
-            stats = attrs.evolve(stats, forward_write_us=_us_since(write_start))
+            write_us = _us_since(write_start)
+            session.forward_write_us += write_us
+            stats = attrs.evolve(stats, forward_write_us=write_us)
+            if tel.debug_enabled:
+                tel.debug_span(
+                    "stage.binary_downstream_write",
+                    now_ns() - write_us * 1000,
+                    {
+                        "llama_stage.stage_index": server.index,
+                        "llama_stage.request_id": message.request_id,
+                        "llama_stage.forward_activation_bytes": int(out.nbytes),
+                        "llama_stage.elapsed_ms": write_us / 1000.0,
+                    },
+                )
             if not wants_predictions:
-                await self._ack_upstream(down, message.request_id, stats, write_start)
+                self._owed.append(_OwedAck(message.request_id, stats, time.perf_counter()))
             return
         if not wants_predictions:
             await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))

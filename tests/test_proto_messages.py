@@ -190,6 +190,19 @@ def test_token_sequences_are_normalised_to_tuples_of_ints() -> None:
     assert hash(Decode(1, 0, (1,))) == hash(Decode(1, 0, [1]))
 
 
+def test_stats_merge_sums_totals_and_keeps_the_slowest_stage_and_edge() -> None:
+    fast = StageStats(compute_us=100, stage_count=1, token_count=100, slowest_compute_us=100,
+                      slowest_tokens=100, slowest_stage=1, edge_write_us=5, edge_wait_us=50,
+                      edge_stage=1)  # fmt: skip
+    slow = StageStats(compute_us=300, stage_count=1, token_count=100, slowest_compute_us=300,
+                      slowest_tokens=100, slowest_stage=2)  # fmt: skip
+    merged = fast.merge(slow)
+    assert (merged.compute_us, merged.stage_count, merged.token_count) == (400, 2, 200)
+    assert (merged.slowest_compute_us, merged.slowest_stage) == (300, 2)
+    assert (merged.edge_wait_us, merged.edge_stage) == (50, 1)
+    assert slow.merge(fast) == merged
+
+
 def test_unstructure_gives_plain_msgpack_values() -> None:
     message = Predictions(1, 2, 3, (4, 5), StageStats(compute_us=9))
     assert unstructure_message(message) == {
@@ -203,6 +216,12 @@ def test_unstructure_gives_plain_msgpack_values() -> None:
             "downstream_wait_us": 0,
             "stage_count": 0,
             "token_count": 0,
+            "slowest_compute_us": 0,
+            "slowest_tokens": 0,
+            "slowest_stage": 0,
+            "edge_write_us": 0,
+            "edge_wait_us": 0,
+            "edge_stage": 0,
         },
     }
     configure = Configure(1, 2, 3, SamplingParams(0.7, 40, 0.9, 5))

@@ -192,6 +192,9 @@ def test_serve_prints_one_line_and_the_openai_client_works(server: LiveServer, t
     assert 'stagerun_requests_total{endpoint="/v1/chat/completions",status="200"}' in metrics
     assert 'stagerun_stage_up{stage="2",' in metrics
     assert "stagerun_completion_tokens_total 0" not in metrics
+    assert "stagerun_time_to_first_token_seconds_count 0" not in metrics
+    assert 'stagerun_stage_restarts_total{stage="1"} 0' in metrics
+    assert "stagerun_recoveries_total 0" in metrics
 
 
 @pytest.mark.parametrize(

@@ -212,6 +212,17 @@ def test_metrics_render_prometheus_text() -> None:
     )
     assert "stagerun_completion_tokens_total 7" in lines
     assert "stagerun_admission_capacity 4" in lines
+    metrics.observe_timings(
+        {"prompt_ms": 180.0, "predicted_ms": 900.0, "prefill_chunks": 3, "draft_n": 10,
+         "draft_n_accepted": 6}
+    )  # fmt: skip
+    lines = metrics.render(admission=Admission(4, 16), pool=None, health=[]).splitlines()
+    assert 'stagerun_time_to_first_token_seconds_bucket{le="0.25"} 1' in lines
+    assert 'stagerun_time_to_first_token_seconds_bucket{le="0.1"} 0' in lines
+    assert "stagerun_decode_seconds_count 1" in lines
+    assert "stagerun_prefill_chunks_total 3" in lines
+    assert "stagerun_draft_tokens_total 10" in lines
+    assert "stagerun_draft_tokens_accepted_total 6" in lines
     for line in lines:
         assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2, line
     assert json.dumps(text)  # plain text, no bytes

@@ -36,7 +36,7 @@ from cattrs.gen import make_dict_structure_fn
 
 from .._errors import ProtocolError
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 MAX_TOKENS_PER_MESSAGE: Final = 65536
 MAX_WINDOW_IDS: Final = 64
@@ -182,22 +182,51 @@ class SamplingParams:
 
 @attrs.frozen
 class StageStats:
-    """Timings a reply carries upstream; each stage adds its own with :meth:`merge`."""
+    """Timings a reply carries upstream; each stage adds its own with :meth:`merge`.
+
+    The first five fields are sums over the stages. The others describe one stage each, for
+    prefill chunk planning: ``slowest_*`` the stage with the slowest compute per token (its
+    compute time, token count and index), ``edge_*`` the hop with the largest forward write +
+    downstream wait (the write, the wait and the index of the stage that sent it). Every
+    non-final prefill chunk's ``Ack`` carries them for the whole chain below stage 0.
+    """
 
     compute_us: int = attrs.field(default=0, validator=_ID)
     forward_write_us: int = attrs.field(default=0, validator=_ID)
     downstream_wait_us: int = attrs.field(default=0, validator=_ID)
     stage_count: int = attrs.field(default=0, validator=_ID)
     token_count: int = attrs.field(default=0, validator=_ID)
+    slowest_compute_us: int = attrs.field(default=0, validator=_ID)
+    slowest_tokens: int = attrs.field(default=0, validator=_ID)
+    slowest_stage: int = attrs.field(default=0, validator=_ID)
+    edge_write_us: int = attrs.field(default=0, validator=_ID)
+    edge_wait_us: int = attrs.field(default=0, validator=_ID)
+    edge_stage: int = attrs.field(default=0, validator=_ID)
 
     def merge(self, other: "StageStats") -> "StageStats":
-        """Return the field-by-field sum of these stats and ``other``."""
+        """Sum the totals; keep the slower stage and the costlier edge of the two."""
+        mine_rate = self.slowest_compute_us / self.slowest_tokens if self.slowest_tokens else -1.0
+        other_rate = (
+            other.slowest_compute_us / other.slowest_tokens if other.slowest_tokens else -1.0
+        )
+        slow = self if mine_rate >= other_rate else other
+        edge = (
+            self
+            if self.edge_write_us + self.edge_wait_us >= other.edge_write_us + other.edge_wait_us
+            else other
+        )
         return StageStats(
             compute_us=self.compute_us + other.compute_us,
             forward_write_us=self.forward_write_us + other.forward_write_us,
             downstream_wait_us=self.downstream_wait_us + other.downstream_wait_us,
             stage_count=self.stage_count + other.stage_count,
             token_count=self.token_count + other.token_count,
+            slowest_compute_us=slow.slowest_compute_us,
+            slowest_tokens=slow.slowest_tokens,
+            slowest_stage=slow.slowest_stage,
+            edge_write_us=edge.edge_write_us,
+            edge_wait_us=edge.edge_wait_us,
+            edge_stage=edge.edge_stage,
         )
 
 

@@ -291,7 +291,12 @@ async def _health(request: Request) -> Response:
 async def _metrics(request: Request) -> Response:
     state = _state(request)
     health = await state.pipeline.check_health(timeout=state.health_timeout)
-    text = state.metrics.render(admission=state.admission, pool=state.pipeline.pool, health=health)
+    text = state.metrics.render(
+        admission=state.admission,
+        pool=state.pipeline.pool,
+        health=health,
+        pipeline=state.pipeline,
+    )
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
 

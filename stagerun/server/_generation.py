@@ -143,6 +143,7 @@ class GenerationResponse(Response):
         assert stream.result is not None
         result = stream.result
         self.state.metrics.observe_tokens(len(result.prompt_token_ids), len(result.token_ids))
+        self.state.metrics.observe_timings(result.timings)
         return result
 
     async def _send_error(self, send: Send, error: ApiError) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from .._lanes import LanePool
-from .._pipeline import StageHealth
+from .._pipeline import Pipeline, StageHealth
 from ._admission import Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -65,6 +65,12 @@ class Metrics:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.disconnects = 0
+        self.time_to_first_token = Histogram()
+        self.decode_seconds = Histogram()
+        self.prefill_chunks = 0
+        self.draft_tokens = 0
+        self.draft_tokens_accepted = 0
+        self.windows_switched_off = 0
 
     def __repr__(self) -> str:
         return (
@@ -80,12 +86,27 @@ class Metrics:
         self.prompt_tokens += prompt
         self.completion_tokens += completion
 
+    def observe_timings(self, timings: Mapping[str, object]) -> None:
+        """Fold one finished request's ``timings`` (see `stagerun.Completion`) in."""
+
+        def number(key: str) -> float:
+            value = timings.get(key, 0)
+            return float(value) if isinstance(value, (int, float)) else 0.0
+
+        self.time_to_first_token.observe(number("prompt_ms") / 1000.0)
+        self.decode_seconds.observe(number("predicted_ms") / 1000.0)
+        self.prefill_chunks += int(number("prefill_chunks")) or 1
+        self.draft_tokens += int(number("draft_n"))
+        self.draft_tokens_accepted += int(number("draft_n_accepted"))
+        self.windows_switched_off += int(bool(timings.get("speculative_drafting_switched_off")))
+
     def render(
         self,
         *,
         admission: Admission,
         pool: LanePool | None,
         health: Sequence[StageHealth],
+        pipeline: Pipeline | None = None,
     ) -> str:
         """The Prometheus text exposition of everything above plus the live gauges."""
         out: list[str] = []
@@ -127,6 +148,52 @@ class Metrics:
             "stagerun_completion_tokens_total", "counter", "Tokens generated.",
             [({}, self.completion_tokens)],
         )  # fmt: skip
+        for name, help_text, hist in (
+            ("stagerun_time_to_first_token_seconds", "Prompt to first token (prefill).",
+             self.time_to_first_token),
+            ("stagerun_decode_seconds", "First token to last token.", self.decode_seconds),
+        ):  # fmt: skip
+            out.append(f"# HELP {name} {help_text}")
+            out.append(f"# TYPE {name} histogram")
+            for bound, count in zip(hist.buckets, hist.counts, strict=True):
+                out.append(f'{name}_bucket{{le="{_number(bound)}"}} {count}')
+            out.append(f'{name}_bucket{{le="+Inf"}} {hist.count}')
+            out.append(f"{name}_sum {_number(hist.total)}")
+            out.append(f"{name}_count {hist.count}")
+        family(
+            "stagerun_prefill_chunks_total", "counter", "Prefill chunks sent through the stages.",
+            [({}, self.prefill_chunks)],
+        )  # fmt: skip
+        family(
+            "stagerun_draft_tokens_total", "counter",
+            "Draft tokens proposed in verify windows.", [({}, self.draft_tokens)],
+        )  # fmt: skip
+        family(
+            "stagerun_draft_tokens_accepted_total", "counter",
+            "Draft tokens the target model accepted.", [({}, self.draft_tokens_accepted)],
+        )  # fmt: skip
+        family(
+            "stagerun_speculation_switched_off_total", "counter",
+            "Requests whose drafting was switched off as not paying.",
+            [({}, self.windows_switched_off)],
+        )  # fmt: skip
+        if pipeline is not None:
+            family(
+                "stagerun_recoveries_total", "counter",
+                "Lane failures requests survived by replaying.", [({}, pipeline.recoveries)],
+            )  # fmt: skip
+            family(
+                "stagerun_recovery_failures_total", "counter",
+                "Requests that failed because no lane came back.",
+                [({}, pipeline.recovery_failures)],
+            )  # fmt: skip
+            processes = [s for s in pipeline.stages if s.process is not None]
+            if processes:
+                family(
+                    "stagerun_stage_restarts_total", "counter",
+                    "Restarts of supervised stage processes.",
+                    (({"stage": str(s.index)}, s.process.restarts) for s in processes),
+                )  # fmt: skip
         family(
             "stagerun_client_disconnects_total", "counter",
             "Generations cancelled because the client went away.", [({}, self.disconnects)],

@@ -239,4 +239,12 @@ def options_from_args(args: object) -> ServeOptions:
 
 def serve_main(args: object) -> int:
     """Entry point for the CLI: run the server, return the exit code."""
-    return trio.run(serve, options_from_args(args))
+    return trio.run(_serve_with_telemetry, options_from_args(args))
+
+
+async def _serve_with_telemetry(options: ServeOptions) -> int:
+    from .. import telemetry
+
+    tel = telemetry.configure_from_env(common={"stagerun.stage_id": 0})
+    async with telemetry.draining(tel):
+        return await serve(options)

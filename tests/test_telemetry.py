@@ -1,0 +1,259 @@
+"""Telemetry: the span names and attributes operators rely on, a queue that never blocks."""
+
+from __future__ import annotations
+
+import io
+import json
+import pathlib
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import trio
+
+from stagerun import LaneError, RecoveryPolicy, open_pipeline, serve_stage, telemetry
+from stagerun._speculative import SpeculationConfig
+from stagerun.backends import NumpyBackend
+from stagerun.model import ModelFile
+
+PROMPT = "The lighthouse keeper counted the ships"
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.records: list[telemetry.Record] = []
+
+    def write(self, records: Sequence[telemetry.Record]) -> None:
+        self.records.extend(records)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def recorded() -> Iterator[tuple[telemetry.Telemetry, ListSink]]:
+    sink = ListSink()
+    tel = telemetry.Telemetry("debug", [sink], capacity=100_000)
+    previous = telemetry.set_current(tel)
+    try:
+        yield tel, sink
+    finally:
+        telemetry.set_current(previous)
+
+
+def named(tel: telemetry.Telemetry, sink: ListSink, name: str) -> list[telemetry.Record]:
+    tel.flush()
+    return [r for r in sink.records if r.name == name]
+
+
+async def test_lane_pool_events(
+    tiny_model_path: pathlib.Path, recorded: tuple[telemetry.Telemetry, ListSink]
+) -> None:
+    tel, sink = recorded
+    async with open_pipeline(tiny_model_path, stages=3, capacity=2) as pipeline:
+        (ready,) = named(tel, sink, "stage.openai_downstream_pool_ready")
+        assert ready.attributes["llama_stage.openai_downstream_pool_capacity"] == 2
+        connects = named(tel, sink, "stage.openai_downstream_persistent_connect")
+        assert [c.attributes["llama_stage.openai_downstream_lane_id"] for c in connects] == [0, 1]
+        await pipeline.complete(PROMPT, max_tokens=4)
+        (checkout,) = named(tel, sink, "stage.openai_downstream_connect")
+        assert checkout.attributes["llama_stage.openai_downstream_persistent"] is True
+        assert checkout.attributes["llama_stage.openai_downstream_lane_id"] == 1  # LIFO
+        # leaving a stream early retires its lane; a fresh one replaces it
+        async with pipeline.generate(PROMPT, max_tokens=50) as stream:
+            async for _ in stream:
+                break
+        (replaced,) = named(tel, sink, "stage.openai_downstream_lane_replaced")
+        assert replaced.attributes["llama_stage.openai_downstream_retired_lane_id"] == 1
+        assert replaced.attributes["llama_stage.openai_downstream_lane_id"] == 2
+    for record in sink.records:
+        assert "stagerun.run_id" in record.attributes
+        assert record.end_ns > record.start_ns
+
+
+async def test_a_failed_replacement_is_an_event(
+    tiny_model: ModelFile, recorded: tuple[telemetry.Telemetry, ListSink]
+) -> None:
+    tel, sink = recorded
+    ranges = [(0, 2), (2, 4)]
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def stage(task_status: trio.TaskStatus[str]) -> None:
+            with scope:
+                await serve_stage(
+                    NumpyBackend(tiny_model, ranges[1]), index=1, task_status=task_status
+                )
+
+        address = await nursery.start(stage)
+        async with open_pipeline(
+            tiny_model, layers=ranges, remote=[address], recovery=RecoveryPolicy.disabled()
+        ) as pipeline:
+            with pytest.raises(LaneError):  # the stage dies mid-request; it is not replaced
+                await pipeline.complete(
+                    PROMPT, max_tokens=40, ignore_eog=True, on_token=lambda _: scope.cancel()
+                )
+        failed = named(tel, sink, "stage.openai_downstream_lane_replace_failed")
+        assert failed and failed[0].attributes["llama_stage.error"] == "LaneHandshakeError"
+        nursery.cancel_scope.cancel()
+
+
+async def test_request_and_stage_spans(
+    tiny_model_path: pathlib.Path, recorded: tuple[telemetry.Telemetry, ListSink]
+) -> None:
+    tel, sink = recorded
+    async with open_pipeline(tiny_model_path, stages=3) as pipeline:
+        prompt = [3 + i % 270 for i in range(400)]
+        result = await pipeline.complete(prompt, max_tokens=12, ignore_eog=True)
+    (prefill,) = named(tel, sink, "stage.openai_prefill")
+    assert prefill.attributes["llama_stage.token_count"] == 400
+    assert prefill.attributes["llama_stage.prefill_chunks"] > 1
+    chunks = named(tel, sink, "stage.openai_prefill_chunk")
+    assert sum(c.attributes["llama_stage.token_count"] for c in chunks) == 400
+    assert {"llama_stage.stage0_compute_ms", "llama_stage.forward_write_ms",
+            "llama_stage.downstream_wait_ms"} <= set(chunks[0].attributes)  # fmt: skip
+    (decode,) = named(tel, sink, "stage.openai_decode")
+    assert decode.attributes["llama_stage.token_count"] == 12
+    tokens = named(tel, sink, "stage.openai_decode_token")
+    assert [t.attributes["llama_stage.token_phase"] for t in tokens][:2] == ["cold", "warmup"]
+    (summary,) = named(tel, sink, "stage.openai_generation_summary")
+    assert summary.attributes["llama_stage.completion_token_count"] == len(result.token_ids)
+    assert summary.attributes["llama_stage.finish_reason"] == "length"
+    request_id = summary.attributes["llama_stage.request_id"]
+    assert prefill.attributes["llama_stage.request_id"] == request_id
+    # the stages, in this process (inproc): receive, compute, forward, and a summary each
+    computes = named(tel, sink, "stage.binary_llama_decode")
+    assert {c.attributes["llama_stage.stage_index"] for c in computes} == {1, 2}
+    writes = named(tel, sink, "stage.binary_downstream_write")
+    assert {w.attributes["llama_stage.stage_index"] for w in writes} == {1}
+    assert writes[0].attributes["llama_stage.forward_activation_bytes"] > 0
+    kinds = {
+        r.attributes["llama_stage.message_kind"] for r in named(tel, sink, "stage.binary_recv")
+    }
+    assert {"configure", "prefill", "decode", "stop"} <= kinds
+    summaries = named(tel, sink, "stage.binary_request_summary")
+    assert {s.attributes["llama_stage.stage_index"] for s in summaries} == {1, 2}
+    assert all(s.attributes["llama_stage.token_count"] >= 400 for s in summaries)
+    # privacy: no attribute carries text or token ids
+    for record in sink.records:
+        for key, value in record.attributes.items():
+            assert not (isinstance(value, str) and "lighthouse" in value), key
+            assert not isinstance(value, (list, tuple)), key
+
+
+async def test_verify_window_spans(
+    tiny_model_path: pathlib.Path, recorded: tuple[telemetry.Telemetry, ListSink]
+) -> None:
+    tel, sink = recorded
+    speculation = SpeculationConfig(drafter="ngram", depth=3, window=3)
+    async with open_pipeline(tiny_model_path, stages=3, speculation=speculation) as pipeline:
+        await pipeline.complete(PROMPT * 3, max_tokens=40, ignore_eog=True)
+    windows = named(tel, sink, "stage.openai_decode_verify_window")
+    assert windows
+    for window in windows:
+        attrs = window.attributes
+        assert attrs["llama_stage.verify_window_token_count"] >= 1
+        assert attrs["llama_stage.verify_window_accepted"] >= 0
+        assert isinstance(attrs["llama_stage.verify_window_cancelled"], bool)
+    assert len({w.attributes["llama_stage.verify_window_id"] for w in windows}) == len(windows)
+
+
+def test_a_full_queue_drops_and_counts_without_blocking() -> None:
+    sink = ListSink()
+    tel = telemetry.Telemetry("summary", [sink], capacity=10)
+    start = time.perf_counter()
+    for i in range(100_000):
+        tel.event("stagerun.test", {"llama_stage.seq_id": i})
+    per_call_us = (time.perf_counter() - start) / 100_000 * 1e6
+    assert tel.dropped == 100_000 - 10 and tel.emitted == 10
+    assert per_call_us < 50, per_call_us  # a full queue costs a lock and a counter
+    tel.flush()
+    tel.event("stagerun.test", {})
+    tel.flush()
+    assert sink.records[-1].attributes["stagerun.telemetry_dropped_events"] == 99_990
+
+
+async def test_generation_goes_on_while_the_queue_overflows(tiny_model_path: pathlib.Path) -> None:
+    sink = ListSink()
+    tel = telemetry.Telemetry("debug", [sink], capacity=3)
+    previous = telemetry.set_current(tel)
+    try:
+        async with open_pipeline(tiny_model_path, stages=3) as pipeline:
+            result = await pipeline.complete(PROMPT, max_tokens=30, ignore_eog=True)
+    finally:
+        telemetry.set_current(previous)
+    assert len(result.token_ids) == 30
+    assert tel.dropped > 0 and tel.emitted == 3
+
+
+def test_json_lines_and_privacy_guard(tmp_path: pathlib.Path) -> None:
+    out = io.StringIO()
+    tel = telemetry.Telemetry("summary", [telemetry.JsonLinesSink(out)])
+    tel.span("stage.openai_prefill", telemetry.now_ns() - 5_000_000, {"llama_stage.token_count": 9})
+    tel.flush()
+    line = json.loads(out.getvalue())
+    assert line["event"] == "stage.openai_prefill"
+    assert line["attributes"]["llama_stage.token_count"] == 9
+    assert line["end_time_unix_nanos"] - line["start_time_unix_nanos"] >= 5_000_000
+    out.truncate(0)
+    out.seek(0)
+    tel.event("x", {"llama_stage.prompt": "secret", "stagerun.text": "s", "llama_stage.seq_id": 1})
+    tel.flush()
+    kept = json.loads(out.getvalue())["attributes"]
+    assert "llama_stage.prompt" not in kept and "stagerun.text" not in kept
+    assert kept["llama_stage.seq_id"] == 1 and tel.privacy_dropped == 1
+    path = tmp_path / "t.jsonl"
+    configured = telemetry.configure_from_env(
+        {"STAGERUN_TELEMETRY": "summary", "STAGERUN_TELEMETRY_JSONL": str(path)}
+    )
+    try:
+        configured.event("stagerun.hello", {"llama_stage.seq_id": 1})
+        configured.flush()
+        assert json.loads(path.read_text())["event"] == "stagerun.hello"
+    finally:
+        telemetry.set_current(telemetry.Telemetry("off"))
+        for sink in configured.sinks:
+            sink.close()
+    with pytest.raises(ValueError, match="STAGERUN_TELEMETRY='loud'"):
+        telemetry.configure_from_env({"STAGERUN_TELEMETRY": "loud"})
+
+
+def test_off_records_nothing() -> None:
+    sink = ListSink()
+    tel = telemetry.Telemetry("off", [sink])
+    tel.event("x", {})
+    tel.span("y", 0, {})
+    with tel.timed("z"):
+        pass
+    tel.flush()
+    assert sink.records == [] and tel.emitted == 0
+
+
+def test_opentelemetry_sink_exports_spans() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    sink = telemetry.OpenTelemetrySink(provider.get_tracer("stagerun"))
+    tel = telemetry.Telemetry("summary", [sink])
+    start = telemetry.now_ns() - 2_000_000
+    tel.span("stage.openai_decode", start, {"llama_stage.token_count": 7})
+    tel.flush()
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "stage.openai_decode"
+    assert span.attributes is not None and span.attributes["llama_stage.token_count"] == 7
+    assert span.start_time == start and span.end_time is not None and span.end_time > start
+
+
+async def test_the_drain_task_writes_while_running_and_flushes_at_the_end() -> None:
+    sink = ListSink()
+    tel = telemetry.Telemetry("summary", [sink])
+    async with telemetry.draining(tel):
+        tel.event("a", {})
+        await trio.sleep(0.2)
+        assert [r.name for r in sink.records] == ["a"]
+        tel.event("b", {})
+    assert [r.name for r in sink.records] == ["a", "b"]
