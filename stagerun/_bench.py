@@ -680,7 +680,8 @@ async def bench_prefill(args: argparse.Namespace) -> int:
 
     ``unchunked`` sends the whole prompt as one chunk (every stage waits for the stage before
     it to finish all of it); the other policies cut it into chunks that stream through the
-    stages, up to 3 unacknowledged. Each stage process gets ``--threads`` compute threads
+    stages, up to 3 unacknowledged, or one at a time with a ``/serial`` suffix
+    (``128/serial``: chunked, not pipelined). Each stage process gets ``--threads`` compute threads
     (default 1: one device each).
     """
     threads = args.threads or 1
@@ -693,7 +694,9 @@ async def bench_prefill(args: argparse.Namespace) -> int:
         pipelines: dict[tuple[int, str], Pipeline] = {}
         for n in counts:
             for policy in policies:
-                chunking = 1_000_000 if policy == "unchunked" else policy
+                name, _, mode_text = policy.partition("/")
+                chunking = 1_000_000 if name == "unchunked" else name
+                credit = 1 if mode_text == "serial" else 3
                 _say(args, f"starting {n} stages, prefill {policy}")
                 pipelines[n, policy] = await stack.enter_async_context(
                     open_pipeline(
@@ -704,6 +707,7 @@ async def bench_prefill(args: argparse.Namespace) -> int:
                         wire_dtype=args.wire_dtype,
                         hop_delay_ms=args.hop_delay_ms,
                         prefill_chunk=chunking,
+                        prefill_credit=credit,
                         transport=args.transport,
                         backend=args.backend,
                     )

@@ -316,7 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_transport_list,
         default=("unchunked", "adaptive"),
         help="prefill chunk policies to compare, the first is the baseline: unchunked, "
-        "adaptive, a size or a schedule like 128,256 (default unchunked,adaptive)",
+        "adaptive or a size; POLICY/serial waits for each chunk's ack (default "
+        "unchunked,adaptive)",
     )
     prefill.add_argument("--json", action="store_true")
     _add_pipeline_options(prefill)
