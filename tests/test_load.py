@@ -20,34 +20,11 @@ import pytest
 import trio
 from test_server_live import LiveServer
 
+from stagerun._bench import process_tree_rss_mb
 from stagerun.testing import write_tiny_model
 
 REQUESTS = int(os.environ.get("STAGERUN_LOAD_REQUESTS", "64"))
 CLIENTS = 16
-
-
-def _rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` and all its descendants, in MiB."""
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children[int(stat.rsplit(")", 1)[1].split()[1])].append(int(entry))
-    total, todo = 0, [pid]
-    while todo:
-        current = todo.pop()
-        todo += children.get(current, [])
-        try:
-            status = pathlib.Path(f"/proc/{current}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1])
-    return total / 1024.0
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads memory from /proc (Linux)")
@@ -98,12 +75,12 @@ def test_16_clients_every_request_completes_or_gets_429(tmp_path: pathlib.Path) 
                     nursery.start_soon(client, index, todo, http)
 
         trio.run(run, CLIENTS)  # warm-up: every stage has computed, every lane is open
-        warm = _rss_mb(live.proc.pid)
+        warm = process_tree_rss_mb(live.proc.pid)
         outcomes.clear()
         start = time.perf_counter()
         trio.run(run, REQUESTS)
         elapsed = time.perf_counter() - start
-        after = _rss_mb(live.proc.pid)
+        after = process_tree_rss_mb(live.proc.pid)
         print(
             f"\n{REQUESTS} requests from {CLIENTS} clients in {elapsed:.1f}s: {dict(outcomes)}; "
             f"slowest {max(latencies):.2f}s; RSS {warm:.0f} -> {after:.0f} MiB"
