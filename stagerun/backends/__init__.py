@@ -2,5 +2,6 @@
 
 from ._inputs import check_positions as check_positions
 from ._inputs import stage_input as stage_input
+from ._layers import GgufLayers as GgufLayers
 from ._numpy import KVCache as KVCache
 from ._numpy import NumpyBackend as NumpyBackend

@@ -37,8 +37,9 @@ import numpy.typing as npt
 from threadpoolctl import ThreadpoolController
 
 from .._errors import ComputeCancelled
-from ..model import LayerWeights, ModelConfig, ModelFile, fuse_layer, open_model
+from ..model import LayerWeights, ModelFile, fuse_layer
 from ._inputs import check_positions, stage_input
+from ._layers import GgufLayers
 
 __all__ = ["KVCache", "NumpyBackend"]
 
@@ -144,7 +145,7 @@ def _panels(w: F32) -> _Panels:
     return _Panels(w.T)
 
 
-class NumpyBackend:
+class NumpyBackend(GgufLayers):
     """Runs blocks ``lo..hi-1`` of a llama GGUF model with numpy.
 
     Args:
@@ -160,16 +161,11 @@ class NumpyBackend:
         *,
         threads: int | None = None,
     ) -> None:
-        self.model = model if isinstance(model, ModelFile) else open_model(model)
-        c = self.model.config
-        lo, hi = layers if layers is not None else (0, c.n_layers)
-        self.model.check_layers(lo, hi)
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be at least 1, not {threads}.")
-        self._lo, self._hi, self.threads = lo, hi, threads
+        c = self._open_layers(model, layers, threads)
+        self.threads = threads
         self._eps = np.float32(c.rms_eps)
         self._inv_d = np.float32(1.0 / c.d_model)
-        w = self.model.load_weights(lo, hi, embeddings=self.is_first, head=self.is_last)
+        w = self.model.load_weights(self._lo, self._hi, embeddings=self.is_first, head=self.is_last)
         self._layers = [self._pack_layer(lw) for lw in w.layers]
         self._embd: F32 | None = w.token_embd
         self._head: _Panels | None = None
@@ -192,32 +188,6 @@ class NumpyBackend:
             f"<NumpyBackend layers=[{self._lo}, {self._hi}) of {self.config.n_layers} "
             f"first={self.is_first} last={self.is_last} threads={self.threads}>"
         )
-
-    @property
-    def config(self) -> ModelConfig:
-        return self.model.config
-
-    @property
-    def layers(self) -> tuple[int, int]:
-        return (self._lo, self._hi)
-
-    @property
-    def is_first(self) -> bool:
-        """This stage owns the embeddings and takes token ids."""
-        return self._lo == 0
-
-    @property
-    def is_last(self) -> bool:
-        """This stage owns the output norm and head and returns logits."""
-        return self._hi == self.config.n_layers
-
-    @property
-    def d_model(self) -> int:
-        return self.config.d_model
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
 
     def new_cache(self) -> KVCache:
         """An empty KV cache for one session on this stage."""

@@ -34,8 +34,8 @@ import numpy.typing as npt
 
 from stagerun import ComputeCancelled
 from stagerun.abc import ComputeBackend
-from stagerun.backends import check_positions, stage_input
-from stagerun.model import ModelFile, open_model
+from stagerun.backends import GgufLayers, check_positions, stage_input
+from stagerun.model import ModelFile
 
 from ._slice import slice_model
 
@@ -101,7 +101,7 @@ class LlamaCppCache:
             llama_cpp.llama_free(ctx)
 
 
-class LlamaCppBackend(ComputeBackend):
+class LlamaCppBackend(GgufLayers, ComputeBackend):
     """Runs blocks ``lo..hi-1`` of a llama GGUF model in llama.cpp (CPU).
 
     Args:
@@ -120,13 +120,8 @@ class LlamaCppBackend(ComputeBackend):
         context: int = DEFAULT_CONTEXT,
     ) -> None:
         global _backend_ready, _ggml
-        self.model = open_model(model)
-        c = self.model.config
-        lo, hi = layers if layers is not None else (0, c.n_layers)
-        self.model.check_layers(lo, hi)
-        if threads is not None and threads < 1:
-            raise ValueError(f"threads must be at least 1, not {threads}.")
-        self._lo, self._hi = lo, hi
+        c = self._open_layers(model, layers, threads)
+        lo, hi = self._lo, self._hi
         self.threads = threads or os.cpu_count() or 1
         self.n_ctx = min(context, c.context_length)
         if not _backend_ready:
@@ -159,30 +154,6 @@ class LlamaCppBackend(ComputeBackend):
         model, self._model = getattr(self, "_model", None), None
         if model:
             llama_cpp.llama_model_free(model)
-
-    @property
-    def config(self) -> Any:
-        return self.model.config
-
-    @property
-    def layers(self) -> tuple[int, int]:
-        return (self._lo, self._hi)
-
-    @property
-    def is_first(self) -> bool:
-        return self._lo == 0
-
-    @property
-    def is_last(self) -> bool:
-        return bool(self._hi == self.config.n_layers)
-
-    @property
-    def d_model(self) -> int:
-        return int(self.config.d_model)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
 
     def new_cache(self) -> LlamaCppCache:
         return LlamaCppCache(self)

@@ -32,13 +32,12 @@ import torch.nn.functional as F
 
 from stagerun import ComputeCancelled, UnsupportedModelError
 from stagerun.abc import ComputeBackend
-from stagerun.backends import check_positions, stage_input
+from stagerun.backends import GgufLayers, check_positions, stage_input
 from stagerun.model import (
     LayerWeights,
     ModelFile,
     QuantizedTensor,
     fuse_layer,
-    open_model,
     qk_row_order,
 )
 
@@ -232,7 +231,7 @@ class _Layer:
         self.attn_norm, self.ffn_norm = attn_norm, ffn_norm
 
 
-class TorchBackend(ComputeBackend):
+class TorchBackend(GgufLayers, ComputeBackend):
     """Runs blocks ``lo..hi-1`` of a llama GGUF model with PyTorch.
 
     Args:
@@ -259,13 +258,9 @@ class TorchBackend(ComputeBackend):
         dtype: str | None = None,
         weights: str | None = None,
     ) -> None:
-        self.model = model if isinstance(model, ModelFile) else open_model(model)
-        c = self.model.config
-        lo, hi = layers if layers is not None else (0, c.n_layers)
-        self.model.check_layers(lo, hi)
+        c = self._open_layers(model, layers, threads)
+        lo, hi = self._lo, self._hi
         if threads is not None:
-            if threads < 1:
-                raise ValueError(f"threads must be at least 1, not {threads}.")
             torch.set_num_threads(threads)
         self.threads = threads
         self.device = torch.device(device or default_device())
@@ -286,7 +281,6 @@ class TorchBackend(ComputeBackend):
                 f"int4 weights run on the CPU only; on {self.device} use float weights "
                 "(dtype float16 or bfloat16 to halve the memory)."
             )
-        self._lo, self._hi = lo, hi
         w = self.model.load_weights(
             lo, hi, embeddings=lo == 0, head=hi == c.n_layers, blocks=self.weights == "float"
         )
@@ -344,30 +338,6 @@ class TorchBackend(ComputeBackend):
             f"device={self.device} dtype={str(self.dtype).removeprefix('torch.')} "
             f"weights={self.weights}>"
         )
-
-    @property
-    def config(self) -> Any:
-        return self.model.config
-
-    @property
-    def layers(self) -> tuple[int, int]:
-        return (self._lo, self._hi)
-
-    @property
-    def is_first(self) -> bool:
-        return self._lo == 0
-
-    @property
-    def is_last(self) -> bool:
-        return bool(self._hi == self.config.n_layers)
-
-    @property
-    def d_model(self) -> int:
-        return int(self.config.d_model)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
 
     def new_cache(self) -> TorchKVCache:
         c = self.config
