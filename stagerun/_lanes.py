@@ -148,12 +148,16 @@ class Lane:
         self.backs = [back] if isinstance(back, FrameStream) else list(back)
         if not self.backs:
             raise ValueError("a lane needs at least one return connection")
-        self.back = self.backs[0]
         self.return_key = return_key
         self.reply_timeout = reply_timeout
 
     def __repr__(self) -> str:
-        return f"<Lane id={self.id} forward={self.forward!r} back={self.back!r}>"
+        return f"<Lane id={self.id} forward={self.forward!r} backs={self.backs!r}>"
+
+    @property
+    def back(self) -> FrameStream:
+        """The return connection to the primary last stage."""
+        return self.backs[0]
 
     async def send(
         self,

@@ -40,7 +40,7 @@ from ._proto._prefill import (
 from ._sampling import sample_token
 from ._speculative import Drafter, SpeculationConfig, decode_speculative
 from ._text import TextAssembler
-from ._util import only_of, single_exceptions
+from ._util import single_exceptions
 from .abc import ComputeBackend
 from .model import ModelFile
 
@@ -454,23 +454,17 @@ class Pipeline:
             breaks = 0
             while True:
                 try:
-                    try:
-                        async with self.pool.checkout(request_id) as lane:
-                            await lane.request_ack(
-                                _proto.Configure(
-                                    request_id=request_id,
-                                    return_key=lane.return_key,
-                                    prompt_len=len(prompt_ids),
-                                    sampling=sampling,
-                                )
+                    async with self.pool.checkout(request_id) as lane:
+                        await lane.request_ack(
+                            _proto.Configure(
+                                request_id=request_id,
+                                return_key=lane.return_key,
+                                prompt_len=len(prompt_ids),
+                                sampling=sampling,
                             )
-                            eog_stop = await decode(lane)
-                        break
-                    except BaseExceptionGroup as group:  # several tasks saw one broken lane
-                        failure = only_of(group, (LaneError, StageError))
-                        if failure is None:
-                            raise
-                        raise failure from group
+                        )
+                        eog_stop = await decode(lane)
+                    break
                 except (LaneError, StageError) as exc:
                     breaks += 1
                     if breaks > policy.max_breaks:

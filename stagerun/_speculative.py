@@ -29,6 +29,7 @@ import attrs
 import trio
 
 from . import _proto, plugins, telemetry
+from ._errors import LaneError, StageError
 from ._lanes import Lane
 from ._proto import (
     Commit,
@@ -40,7 +41,7 @@ from ._proto import (
     speculation_timings,
 )
 from ._sampling import sample_rows
-from ._util import single_exceptions
+from ._util import one_failure, single_exceptions
 
 
 class Drafter(Protocol):
@@ -352,7 +353,8 @@ async def decode_speculative(
         while True:
             channel.send_nowait(await lane.receive_reply(request_id))
 
-    with single_exceptions():
+    # The reader and the sender often see one broken lane at once: that is one lane failure.
+    with single_exceptions(), one_failure((LaneError, StageError)):
         async with trio.open_nursery() as nursery:
             replies: trio.MemoryReceiveChannel[_proto.Predictions | _proto.Cancelled] | None = None
             if lane is not None:

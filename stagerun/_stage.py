@@ -7,8 +7,9 @@ connection opens with the handshake; its role says what it is:
   out: compute through the backend (in a worker thread, one compute at a time per stage), then
   either forward the activations downstream (middle stages; the downstream connection is
   opened on the first message) or, on the last stage, sample and send ``Predictions`` over the
-  chain's return connection. Acknowledged messages wait for the downstream ``Ack``, merge its
-  stats and acknowledge upstream.
+  chain's return connection. A message that expects an ``Ack`` is forwarded and the worker
+  moves on; a relay task acknowledges upstream when the downstream acknowledges, merging this
+  stage's stats, so prefill chunks stream through the stages.
 * ``RETURN``: stage 0's return connection for one chain, parked under its key until a
   ``Configure`` with that key binds it (last stage only).
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -201,6 +202,4 @@ async def _drain(stdout: trio.abc.ReceiveStream) -> None:
 
 def stage_command(argv: Sequence[str]) -> list[str]:
     """The command line of a ``stagerun stage`` child (without ``--listen``)."""
-    import sys
-
     return [sys.executable, "-m", "stagerun", "stage", *argv]

@@ -43,3 +43,15 @@ def only_of(
     if leaves and all(isinstance(leaf, kinds) for leaf in leaves):
         return leaves[0]
     return None
+
+
+@contextmanager
+def one_failure(kinds: tuple[type[BaseException], ...]) -> Iterator[None]:
+    """Re-raise a group whose leaves are all ``kinds`` as its first leaf (see `only_of`)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        failure = only_of(group, kinds)
+        if failure is None:
+            raise
+        raise failure from group
