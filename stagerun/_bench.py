@@ -8,6 +8,7 @@ baseline measured in the same run. The median of the rounds is reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -42,6 +43,8 @@ async def run_bench(args: argparse.Namespace) -> int:
         return await bench_load(args)
     if args.bench_command == "prefill":
         return await bench_prefill(args)
+    if args.bench_command == "timeline":
+        return await bench_timeline(args)
     raise ValueError(f"unknown benchmark {args.bench_command!r}")
 
 
@@ -146,7 +149,54 @@ SPECULATIVE_PROMPTS = {
 
 
 async def bench_speculative(args: argparse.Namespace) -> int:
-    """Plain vs depth 1 vs depth D on input-grounded prompts, over an emulated WAN link."""
+    """Plain vs depth 1 vs depth D on input-grounded prompts, over an emulated WAN link.
+
+    With ``--hop-delays`` the comparison runs once per delay (a pipeline each; the ratios are
+    side by side within each delay) and ``--png`` draws tokens/s against the delay.
+    """
+    delays: list[float] = args.hop_delays or [args.hop_delay_ms]
+    if args.png:
+        from ._report import require_matplotlib
+
+        require_matplotlib()  # fail before minutes of measuring, not after
+    results = [await _speculative_at(args, delay) for delay in delays]
+    if len(results) == 1:
+        report = results[0]
+    else:
+        common = ("benchmark", "model", "stages", "mode", "threads_per_stage", "window", "depth",
+                  "tokens_per_prompt", "rounds", "prompts")  # fmt: skip
+        report = {key: results[0][key] for key in common}
+        report["sweep"] = [
+            {key: row[key] for key in row if key not in common or key == "benchmark"}
+            for row in results
+        ]
+        for row in report["sweep"]:
+            row.pop("benchmark")
+    if args.png:
+        from ._report import plot_hop_sweep
+
+        plot_hop_sweep(
+            results,
+            args.png,
+            title=f"{args.stages} stages, window {args.window}, depth {args.depth}: "
+            "tokens/s against hop delay",
+        )
+        _say(args, f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for row in results:
+        if len(results) > 1:
+            print(f"hop delay {row['hop_delay_ms']:g} ms")
+        for name, rate in row["tokens_per_second"].items():
+            print(f"  {name:12s} {rate:7.2f} tokens/s")
+        for key, value in row["ratios"].items():
+            print(f"  {key:24s} {value:.3f}")
+        print(f"  identical output: {row['identical_output']}")
+    return 0
+
+
+async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict[str, Any]:
     from ._speculative import SpeculationConfig
     from .drafters import OracleDrafter
 
@@ -167,15 +217,13 @@ async def bench_speculative(args: argparse.Namespace) -> int:
     accepted: dict[str, int] = dict.fromkeys(names, 0)
     proposed: dict[str, int] = dict.fromkeys(names, 0)
     identical = True
-    _say(
-        args, f"starting a {args.stages}-stage pipeline ({mode}, hop delay {args.hop_delay_ms} ms)"
-    )
+    _say(args, f"starting a {args.stages}-stage pipeline ({mode}, hop delay {hop_delay_ms} ms)")
     async with open_pipeline(
         args.model,
         stages=args.stages,
         mode=mode,
         threads=threads,
-        hop_delay_ms=args.hop_delay_ms,
+        hop_delay_ms=hop_delay_ms,
         transport=args.transport,
         transports=args.transports,
         backend=args.backend,
@@ -216,12 +264,12 @@ async def bench_speculative(args: argparse.Namespace) -> int:
                     _say(args, f"round {round_index + 1} {label:9s} {name:12s} {rate:6.1f} tok/s")
     rates = {n: tokens[n] / seconds[n] if seconds[n] else 0.0 for n in names}
     deep = f"depth{args.depth}"
-    report: dict[str, Any] = {
+    return {
         "benchmark": "speculative",
         "model": str(args.model),
         "stages": args.stages,
         "mode": mode,
-        "hop_delay_ms": args.hop_delay_ms,
+        "hop_delay_ms": hop_delay_ms,
         "threads_per_stage": threads,
         "window": args.window,
         "depth": args.depth,
@@ -238,15 +286,114 @@ async def bench_speculative(args: argparse.Namespace) -> int:
         },
         "identical_output": identical,
     }
+
+
+async def bench_timeline(args: argparse.Namespace) -> int:
+    """Trace one speculative request at the debug level and lay it out per stage."""
+    import tempfile
+
+    from . import telemetry
+    from ._report import load_trace, plot_timeline, request_timeline
+    from ._speculative import SpeculationConfig
+
+    if args.png:
+        from ._report import require_matplotlib
+
+        require_matplotlib()
+    mode: Mode = "inproc" if args.inproc else "processes"
+    threads = args.threads if args.threads is not None else 1
+    spec = SpeculationConfig("ngram", depth=args.depth, window=args.window)
+    prompt = SPECULATIVE_PROMPTS[args.prompt]
+    with contextlib.ExitStack() as cleanup:
+        trace = args.trace
+        if trace is None:
+            trace = cleanup.enter_context(tempfile.TemporaryDirectory()) + "/trace.jsonl"
+        else:
+            trace = str(await trio.Path(trace).absolute())  # stage processes append here too
+            await trio.Path(trace).unlink(missing_ok=True)  # the trace of this run only
+        # Stage processes read their telemetry settings from the environment they inherit.
+        saved = {k: os.environ.get(k) for k in ("STAGERUN_TELEMETRY", "STAGERUN_TELEMETRY_JSONL")}
+        os.environ.update(STAGERUN_TELEMETRY="debug", STAGERUN_TELEMETRY_JSONL=trace)
+        cleanup.callback(_restore_env, saved)
+        tel = telemetry.Telemetry(
+            "debug", [telemetry.JsonLinesSink(trace)], capacity=1 << 16,
+            common={"stagerun.stage_id": 0},
+        )  # fmt: skip
+        previous = telemetry.set_current(tel)
+        cleanup.callback(telemetry.set_current, previous)
+        _say(
+            args,
+            f"tracing one request on a {args.stages}-stage pipeline ({mode}, hop delay "
+            f"{args.hop_delay_ms} ms, depth {args.depth}, window {args.window})",
+        )
+        async with (
+            telemetry.draining(tel),
+            open_pipeline(
+                args.model,
+                stages=args.stages,
+                mode=mode,
+                threads=threads,
+                hop_delay_ms=args.hop_delay_ms,
+                transport=args.transport,
+                transports=args.transports,
+                backend=args.backend,
+                backends=args.backends,
+                device=args.device,
+            ) as pipeline,
+        ):
+            await pipeline.complete("Hello", max_tokens=4, speculation=spec)  # warm-up
+            result = await pipeline.complete(
+                prompt, chat=True, max_tokens=args.tokens, speculation=spec
+            )
+        if tel.dropped:
+            _say(args, f"warning: {tel.dropped} telemetry records were dropped")
+        timeline = request_timeline(load_trace(trace))
+    totals = timeline.totals()
+    report: dict[str, Any] = {
+        "benchmark": "timeline",
+        "model": str(args.model),
+        "stages": args.stages,
+        "mode": mode,
+        "hop_delay_ms": args.hop_delay_ms,
+        "depth": args.depth,
+        "window": args.window,
+        "prompt": args.prompt,
+        "tokens": len(result.token_ids),
+        "elapsed_ms": round(timeline.elapsed_ms, 2),
+        "verify_windows": timeline.windows,
+        "stale_windows": timeline.stale_windows,
+        "per_stage_ms": totals,
+    }
+    if args.png:
+        plot_timeline(
+            timeline,
+            args.png,
+            title=f"one request, {args.stages} stages, hop delay {args.hop_delay_ms:g} ms, "
+            f"depth {args.depth}: {timeline.windows} verify windows, "
+            f"{timeline.stale_windows} stale",
+        )
+        _say(args, f"wrote {args.png}")
     if args.json:
         print(json.dumps(report))
-    else:
-        for name in names:
-            print(f"{name:12s} {rates[name]:7.2f} tokens/s")
-        for key, value in report["ratios"].items():
-            print(f"{key:24s} {value:.3f}")
-        print(f"identical output: {identical}")
+        return 0
+    print(
+        f"request: {report['tokens']} tokens in {report['elapsed_ms']:.1f} ms, "
+        f"{timeline.windows} verify windows, {timeline.stale_windows} stale"
+    )
+    for stage, row in enumerate(totals):
+        print(
+            f"stage {stage}: compute {row['compute']:8.1f} ms  write {row['write']:7.1f} ms  "
+            f"wait {row['wait']:8.1f} ms  stale {row['stale']:7.1f} ms"
+        )
     return 0
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 async def _echo(stream: Any, peer: str) -> None:

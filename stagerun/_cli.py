@@ -43,6 +43,25 @@ def _stage_counts(text: str) -> list[int]:
     return counts
 
 
+def _delays(text: str) -> list[float]:
+    try:
+        delays = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"hop delays {text!r} must look like 0,10,20") from None
+    if not delays or min(delays) < 0:
+        raise argparse.ArgumentTypeError("hop delays must be milliseconds, 0 or more")
+    return delays
+
+
+def _png_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--png",
+        default=None,
+        metavar="PATH",
+        help=f"also draw {what} into this PNG (needs matplotlib: pip install 'stagerun[plot]')",
+    )
+
+
 def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="model name or GGUF path (default: smollm2)")
     p.add_argument("--threads", type=int, default=None, help="compute threads per stage")
@@ -298,9 +317,36 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--window", type=int, default=4, help="draft tokens per window")
     spec.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
     spec.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    spec.add_argument(
+        "--hop-delays",
+        type=_delays,
+        default=None,
+        metavar="MS,MS,...",
+        help="sweep these hop delays, one pipeline each (instead of --hop-delay-ms)",
+    )
     spec.add_argument("--json", action="store_true")
+    _png_option(spec, "tokens/s against hop delay")
     _add_pipeline_options(spec)
     _link_options(spec)
+
+    timeline = bench_sub.add_parser(
+        "timeline",
+        help="one speculative request traced on every stage: compute, write, wait, stale work",
+    )
+    timeline.add_argument("--stages", type=int, default=3)
+    timeline.add_argument("--depth", type=int, default=4, help="verify windows in flight")
+    timeline.add_argument("--window", type=int, default=4, help="draft tokens per window")
+    timeline.add_argument("--tokens", type=int, default=48, help="tokens generated")
+    timeline.add_argument(
+        "--prompt", choices=("repeat", "rewrite", "code-edit"), default="code-edit"
+    )
+    timeline.add_argument(
+        "--trace", default=None, metavar="PATH", help="keep the JSON-lines trace here"
+    )
+    timeline.add_argument("--json", action="store_true")
+    _png_option(timeline, "the timeline")
+    _add_pipeline_options(timeline)
+    _link_options(timeline)
 
     sub.add_parser("models", help="list the models stagerun can find by name")
 

@@ -165,7 +165,21 @@ class Lane:
         activations: np.ndarray[Any, Any] | None = None,
         dtype: _proto.ActivationDType = "f32",
     ) -> None:
+        tel = telemetry.current()
+        if activations is None or not tel.debug_enabled:
+            await self.forward.send(message, activations, dtype, timeout=self.reply_timeout)
+            return
+        started = telemetry.now_ns()
         await self.forward.send(message, activations, dtype, timeout=self.reply_timeout)
+        attributes: dict[str, Any] = {
+            "llama_stage.stage_index": 0,
+            "llama_stage.request_id": getattr(message, "request_id", 0),
+            "llama_stage.forward_activation_bytes": int(activations.nbytes),
+            "llama_stage.elapsed_ms": (telemetry.now_ns() - started) / 1e6,
+        }
+        if isinstance(message, _proto.Verify):
+            attributes["llama_stage.verify_window_id"] = message.window_id
+        tel.debug_span("stage.binary_downstream_write", started, attributes)
 
     async def request_ack(self, message: _proto.Message) -> _proto.Ack:
         """Send a message that the chain acknowledges, and wait for the merged ``Ack``."""

@@ -330,13 +330,30 @@ class Pipeline:
         position: int,
         tokens: Sequence[int],
         logits: Literal["last", "all"] = "last",
+        *,
+        request_id: int | None = None,
+        window_id: int | None = None,
     ) -> np.ndarray[Any, Any]:
         ids = np.asarray(tokens, dtype=np.int64)
         backend = self._backend0
         async with self._compute_lock:
-            return await trio.to_thread.run_sync(
+            started = telemetry.now_ns()
+            out = await trio.to_thread.run_sync(
                 lambda: backend.forward(cache, position, tokens=ids, logits=logits)
             )
+        tel = telemetry.current()
+        if tel.debug_enabled and request_id is not None:
+            attributes: dict[str, Any] = {
+                "llama_stage.stage_index": 0,
+                "llama_stage.request_id": request_id,
+                "llama_stage.pos_start": position,
+                "llama_stage.token_count": len(ids),
+                "llama_stage.elapsed_ms": (telemetry.now_ns() - started) / 1e6,
+            }
+            if window_id is not None:
+                attributes["llama_stage.verify_window_id"] = window_id
+            tel.debug_span("stage.binary_llama_decode", started, attributes)
+        return out
 
     async def _run(
         self,
@@ -380,8 +397,17 @@ class Pipeline:
             await emit(TokenChunk(token, assembler.push(decoder.push(token))))
             return assembler.stopped
 
-        async def compute(position: int, tokens: Sequence[int], logits: str) -> Any:
-            return await self._compute0(cache, position, tokens, logits)  # type: ignore[arg-type]
+        async def compute(
+            position: int, tokens: Sequence[int], logits: str, window_id: int | None = None
+        ) -> Any:
+            return await self._compute0(
+                cache,
+                position,
+                tokens,
+                logits,  # type: ignore[arg-type]
+                request_id=request_id,
+                window_id=window_id,
+            )
 
         t_first: float | None = None
 
@@ -597,7 +623,7 @@ class Pipeline:
         timings: dict[str, Any] | None = None,
     ) -> int:
         if lane is None:
-            logits = await self._compute0(cache, 0, prompt_ids)
+            logits = await self._compute0(cache, 0, prompt_ids, request_id=request_id)
             return sample_token(logits[-1], sampling, len(prompt_ids))
         report = await self._prefill(lane, request_id, cache, prompt_ids)
         if timings is not None:
@@ -616,9 +642,9 @@ class Pipeline:
     ) -> int:
         """One plain decode step: feed ``token`` at ``position``, return the next token."""
         if lane is None:
-            logits = await self._compute0(cache, position, [token])
+            logits = await self._compute0(cache, position, [token], request_id=request_id)
             return sample_token(logits[-1], sampling, position + 1)
-        hidden = await self._compute0(cache, position, [token])
+        hidden = await self._compute0(cache, position, [token], request_id=request_id)
         await lane.send(
             _proto.Decode(request_id=request_id, position=position, tokens=(token,)),
             hidden,
@@ -653,7 +679,9 @@ class Pipeline:
             piece = prompt_ids[position : position + size]
             last = position + size >= total
             started = time.perf_counter()
-            hidden = await self._compute0(cache, position, piece, logits="all")
+            hidden = await self._compute0(
+                cache, position, piece, logits="all", request_id=request_id
+            )
             computed = time.perf_counter()
             await lane.send(
                 _proto.Prefill(

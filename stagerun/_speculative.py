@@ -193,8 +193,13 @@ def _window_spans(
     reply: _proto.Predictions | _proto.Cancelled,
     opened_ns: dict[int, tuple[int, int]],
     accepted: int,
+    stale: bool,
 ) -> None:
-    """One ``stage.openai_decode_verify_window`` span per window that came back or was dropped."""
+    """One ``stage.openai_decode_verify_window`` span per window that came back or was dropped.
+
+    ``stale``: the window was already stale when its reply arrived (a cancelled window always
+    is), so its work on every stage was wasted.
+    """
     cancelled = isinstance(reply, _proto.Cancelled)
     ids = reply.window_ids if isinstance(reply, _proto.Cancelled) else (reply.window_id,)
     for window_id in ids:
@@ -211,6 +216,7 @@ def _window_spans(
                 "llama_stage.verify_window_token_count": inputs,
                 "llama_stage.verify_window_accepted": 0 if cancelled else accepted,
                 "llama_stage.verify_window_cancelled": cancelled,
+                "llama_stage.verify_window_stale": cancelled or stale,
                 "llama_stage.elapsed_ms": (telemetry.now_ns() - start) / 1e6,
             },
         )
@@ -273,7 +279,7 @@ async def decode_speculative(
             opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
         inputs = list(window.inputs)
         if lane is None:
-            logits = await compute0(window.base_position, inputs, "all")
+            logits = await compute0(window.base_position, inputs, "all", window.id)
             tokens = sample_rows(logits, sampling, window.base_position + 1)
             local_replies.append(
                 _proto.Predictions(
@@ -284,7 +290,7 @@ async def decode_speculative(
                 )
             )
             return
-        hidden = await compute0(window.base_position, inputs, "last")
+        hidden = await compute0(window.base_position, inputs, "last", window.id)
         await lane.send(
             _proto.Verify(
                 request_id=request_id,
@@ -369,6 +375,11 @@ async def decode_speculative(
                 else:
                     reply = await replies.receive()
                 before = controller.stats()
+                was_stale = tel.enabled and any(
+                    window.stale
+                    for window in controller.scheduler.in_flight
+                    if isinstance(reply, _proto.Predictions) and window.id == reply.window_id
+                )
                 if isinstance(reply, _proto.Cancelled):
                     pace.forget(reply.window_ids)
                     controller.on_cancelled(reply.window_ids, now_ms=now_ms())
@@ -380,7 +391,12 @@ async def decode_speculative(
                 stats = controller.stats()
                 if tel.enabled:
                     _window_spans(
-                        tel, request_id, reply, opened_ns, stats.accepted - before.accepted
+                        tel,
+                        request_id,
+                        reply,
+                        opened_ns,
+                        stats.accepted - before.accepted,
+                        was_stale,
                     )
                 depth.observe(before, stats)
                 if (

@@ -401,6 +401,21 @@ class _LaneTask:
             case _:
                 raise LaneError(f"{type(message).__name__} is not a request a stage accepts")
 
+    def _compute_attributes(
+        self, message: _proto.Prefill | _proto.Decode | _proto.Verify
+    ) -> dict[str, Any]:
+        """What the debug spans of one computed message say of it (ids, positions, counts)."""
+        attributes: dict[str, Any] = {
+            "llama_stage.stage_index": self.server.index,
+            "llama_stage.message_kind": message.kind,
+            "llama_stage.request_id": message.request_id,
+            "llama_stage.pos_start": message.position,
+            "llama_stage.token_count": len(message.tokens),
+        }
+        if isinstance(message, _proto.Verify):
+            attributes["llama_stage.verify_window_id"] = message.window_id
+        return attributes
+
     def _summarize(self, request_id: int, session: Session) -> None:
         telemetry.current().span(
             "stage.binary_request_summary",
@@ -525,6 +540,17 @@ class _LaneTask:
             out = await server.compute(run)
         except ComputeCancelled:
             server.stale_stopped += 1  # went stale while computing; stopped at a layer
+            tel = telemetry.current()
+            if tel.debug_enabled:
+                tel.debug_span(
+                    "stage.binary_llama_decode",
+                    now_ns() - _us_since(start) * 1000,
+                    {
+                        **self._compute_attributes(message),
+                        "llama_stage.compute_stopped": True,
+                        "llama_stage.elapsed_ms": _us_since(start) / 1000.0,
+                    },
+                )
             return
         except (ValueError, StagerunError) as exc:
             await self._fail(message.request_id, f"compute failed: {exc}", upstream=fail_upstream)
@@ -540,11 +566,7 @@ class _LaneTask:
                 "stage.binary_llama_decode",
                 now_ns() - compute_us * 1000,
                 {
-                    "llama_stage.stage_index": server.index,
-                    "llama_stage.message_kind": message.kind,
-                    "llama_stage.request_id": message.request_id,
-                    "llama_stage.pos_start": message.position,
-                    "llama_stage.token_count": len(message.tokens),
+                    **self._compute_attributes(message),
                     "llama_stage.elapsed_ms": compute_us / 1000.0,
                 },
             )
@@ -570,8 +592,7 @@ class _LaneTask:
                     "stage.binary_downstream_write",
                     now_ns() - write_us * 1000,
                     {
-                        "llama_stage.stage_index": server.index,
-                        "llama_stage.request_id": message.request_id,
+                        **self._compute_attributes(message),
                         "llama_stage.forward_activation_bytes": int(out.nbytes),
                         "llama_stage.elapsed_ms": write_us / 1000.0,
                     },

@@ -104,24 +104,38 @@ class Sink(Protocol):
 
 
 class JsonLinesSink:
-    """One JSON object per record and line, to ``stream`` (or a file it opens and owns)."""
+    """One JSON object per record and line, to a stream, ``"stderr"``, or a file path.
+
+    A file is opened for appending and each drain is one ``write`` system call of whole lines,
+    so several processes (stage 0 and the stages it starts) can share one trace file without
+    tearing each other's lines.
+    """
 
     def __init__(self, target: str | TextIO) -> None:
-        if isinstance(target, str):
-            self._stream: TextIO = (
-                sys.stderr if target == "stderr" else open(target, "a", encoding="utf-8")  # noqa: SIM115
-            )
-            self._owned = target != "stderr"
+        self._stream: TextIO | None = None
+        self._fd: int | None = None
+        if target == "stderr":
+            self._stream = sys.stderr
+        elif isinstance(target, str):
+            self._fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         else:
-            self._stream, self._owned = target, False
+            self._stream = target
 
     def write(self, records: Sequence[Record]) -> None:
-        self._stream.write("".join(json.dumps(r.to_json()) + "\n" for r in records))
-        self._stream.flush()
+        lines = "".join(json.dumps(r.to_json()) + "\n" for r in records)
+        if self._fd is None:
+            assert self._stream is not None
+            self._stream.write(lines)
+            self._stream.flush()
+            return
+        data = memoryview(lines.encode())
+        while data:
+            data = data[os.write(self._fd, data) :]
 
     def close(self) -> None:
-        if self._owned:
-            self._stream.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class OpenTelemetrySink:

@@ -121,12 +121,17 @@ async def test_request_and_stage_spans(
     assert summary.attributes["llama_stage.finish_reason"] == "length"
     request_id = summary.attributes["llama_stage.request_id"]
     assert prefill.attributes["llama_stage.request_id"] == request_id
-    # the stages, in this process (inproc): receive, compute, forward, and a summary each
+    # every stage computes, stage 0 included; all but the last write downstream
     computes = named(tel, sink, "stage.binary_llama_decode")
-    assert {c.attributes["llama_stage.stage_index"] for c in computes} == {1, 2}
+    assert {c.attributes["llama_stage.stage_index"] for c in computes} == {0, 1, 2}
+    assert all(c.attributes["llama_stage.request_id"] == request_id for c in computes)
+    stage0 = [c for c in computes if c.attributes["llama_stage.stage_index"] == 0]
+    # stage 0 computes each prefill chunk, then one forward per decode step but the last
+    assert sum(c.attributes["llama_stage.token_count"] for c in stage0) == 400 + 11
     writes = named(tel, sink, "stage.binary_downstream_write")
-    assert {w.attributes["llama_stage.stage_index"] for w in writes} == {1}
-    assert writes[0].attributes["llama_stage.forward_activation_bytes"] > 0
+    assert {w.attributes["llama_stage.stage_index"] for w in writes} == {0, 1}
+    assert all(w.attributes["llama_stage.forward_activation_bytes"] > 0 for w in writes)
+    # the stages, in this process (inproc): receive and a summary each
     kinds = {
         r.attributes["llama_stage.message_kind"] for r in named(tel, sink, "stage.binary_recv")
     }
@@ -155,7 +160,19 @@ async def test_verify_window_spans(
         assert attrs["llama_stage.verify_window_token_count"] >= 1
         assert attrs["llama_stage.verify_window_accepted"] >= 0
         assert isinstance(attrs["llama_stage.verify_window_cancelled"], bool)
-    assert len({w.attributes["llama_stage.verify_window_id"] for w in windows}) == len(windows)
+        assert (
+            attrs["llama_stage.verify_window_stale"] >= attrs["llama_stage.verify_window_cancelled"]
+        )
+    ids = {w.attributes["llama_stage.verify_window_id"] for w in windows}
+    assert len(ids) == len(windows)
+    # each window's compute on every stage names it, so wasted work can be attributed
+    computed = {
+        (c.attributes["llama_stage.stage_index"], c.attributes["llama_stage.verify_window_id"])
+        for c in named(tel, sink, "stage.binary_llama_decode")
+        if "llama_stage.verify_window_id" in c.attributes
+    }
+    assert {window for stage, window in computed if stage == 0} == ids
+    assert {stage for stage, _ in computed} == {0, 1, 2}
 
 
 def test_a_full_queue_drops_and_counts_without_blocking() -> None:
@@ -257,3 +274,37 @@ async def test_the_drain_task_writes_while_running_and_flushes_at_the_end() -> N
         assert [r.name for r in sink.records] == ["a"]
         tel.event("b", {})
     assert [r.name for r in sink.records] == ["a", "b"]
+
+
+def test_processes_sharing_a_trace_file_never_tear_lines(tmp_path: pathlib.Path) -> None:
+    """Stage 0 and its stage processes append to one file; each drain is one whole write."""
+    import threading
+
+    path = tmp_path / "trace.jsonl"
+    writers = [telemetry.Telemetry("summary", [telemetry.JsonLinesSink(str(path))],
+                                   capacity=10_000) for _ in range(4)]  # fmt: skip
+
+    def write(tel: telemetry.Telemetry) -> None:
+        for batch in range(20):
+            for i in range(200):
+                tel.event("stagerun.test", {"llama_stage.seq_id": batch * 200 + i,
+                                            "stagerun.padding": "x" * 200})  # fmt: skip
+            tel.flush()  # a drain of 200 records, ~60 KB: larger than any stream buffer
+
+    threads = [threading.Thread(target=write, args=(tel,)) for tel in writers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for tel in writers:
+        tel.sinks[0].close()
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 * 20 * 200
+    runs = {}
+    for line in lines:
+        record = json.loads(line)  # a torn line would not parse
+        runs.setdefault(record["attributes"]["stagerun.run_id"], []).append(
+            record["attributes"]["llama_stage.seq_id"]
+        )
+    assert sorted(len(seqs) for seqs in runs.values()) == [4000] * 4
+    assert all(seqs == sorted(seqs) for seqs in runs.values())

@@ -1,0 +1,262 @@
+"""Pictures for ``stagerun bench --png``: a hop-delay sweep and one request's stage timeline.
+
+The timeline is rebuilt from ``debug`` telemetry alone (the JSON lines every process of a
+pipeline appends to one trace file), so what it shows is what an operator's own trace would
+show: per stage, the spans of compute (``stage.binary_llama_decode``) and of forward writes
+(``stage.binary_downstream_write``); the compute of verify windows that went stale (a later
+window diverged first) or was stopped mid-way, which is wasted work; and, between them, the
+time the stage spent waiting for something to do while the request was open on it.
+
+Plotting needs matplotlib (``pip install 'stagerun[plot]'``); building a `Timeline` does not.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from ._errors import StagerunError
+from .telemetry import Record
+
+__all__ = [
+    "Segment",
+    "Timeline",
+    "load_trace",
+    "plot_hop_sweep",
+    "plot_timeline",
+    "request_timeline",
+]
+
+Kind = Literal["compute", "write", "wait", "stale"]
+KINDS: tuple[Kind, ...] = ("compute", "write", "wait", "stale")
+COLOURS: Mapping[Kind, str] = {
+    "compute": "#3a6ea5",
+    "write": "#f0a202",
+    "wait": "#d9d9d9",
+    "stale": "#c0392b",
+}
+_REQUEST = "llama_stage.request_id"
+_STAGE = "llama_stage.stage_index"
+
+
+@attrs.frozen
+class Segment:
+    """``kind`` on ``stage`` from ``start_ms`` to ``end_ms`` after the request began."""
+
+    stage: int
+    kind: Kind
+    start_ms: float
+    end_ms: float
+
+    @property
+    def ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+@attrs.frozen
+class Timeline:
+    """One request seen from every stage."""
+
+    request_id: int
+    stages: int
+    elapsed_ms: float
+    segments: tuple[Segment, ...]
+    windows: int
+    stale_windows: int
+
+    def totals(self) -> list[dict[str, float]]:
+        """Milliseconds of each kind, per stage."""
+        out = [dict.fromkeys(KINDS, 0.0) for _ in range(self.stages)]
+        for segment in self.segments:
+            out[segment.stage][segment.kind] += segment.ms
+        return [{kind: round(ms, 3) for kind, ms in row.items()} for row in out]
+
+
+def load_trace(path: str | pathlib.Path) -> list[Record]:
+    """The records of a JSON-lines trace (what `telemetry.JsonLinesSink` writes)."""
+    records = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+                records.append(
+                    Record(
+                        raw["event"],
+                        int(raw["start_time_unix_nanos"]),
+                        int(raw["end_time_unix_nanos"]),
+                        raw["attributes"],
+                    )
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: not a telemetry record ({exc})") from None
+    return records
+
+
+def request_timeline(records: Iterable[Record], request_id: int | None = None) -> Timeline:
+    """Build the timeline of ``request_id`` (default: the last request that finished).
+
+    Raises:
+        ValueError: the trace has no finished request, or lacks the ``debug`` spans.
+    """
+    records = list(records)
+    summaries = [r for r in records if r.name == "stage.openai_generation_summary"]
+    if request_id is not None:
+        summaries = [r for r in summaries if r.attributes.get(_REQUEST) == request_id]
+    if not summaries:
+        raise ValueError("the trace holds no finished request (stage.openai_generation_summary)")
+    summary = max(summaries, key=lambda r: r.end_ns)
+    request_id = int(summary.attributes[_REQUEST])
+    mine = [r for r in records if r.attributes.get(_REQUEST) == request_id]
+    stages = int(summary.attributes.get("llama_stage.stages", 1))
+    t0 = summary.start_ns
+
+    def ms(ns: int) -> float:
+        return (ns - t0) / 1e6
+
+    windows = [r for r in mine if r.name == "stage.openai_decode_verify_window"]
+    stale_ids = {
+        r.attributes["llama_stage.verify_window_id"]
+        for r in windows
+        if r.attributes.get("llama_stage.verify_window_stale")
+        or r.attributes.get("llama_stage.verify_window_cancelled")
+    }
+    busy: list[list[Segment]] = [[] for _ in range(stages)]
+    for r in mine:
+        stage = r.attributes.get(_STAGE)
+        if not isinstance(stage, int) or not 0 <= stage < stages:
+            continue
+        if r.name == "stage.binary_llama_decode":
+            wasted = (
+                r.attributes.get("llama_stage.compute_stopped", False)
+                or r.attributes.get("llama_stage.verify_window_id", -1) in stale_ids
+            )
+            kind: Kind = "stale" if wasted else "compute"
+        elif r.name == "stage.binary_downstream_write":
+            kind = "write"
+        else:
+            continue
+        busy[stage].append(Segment(stage, kind, ms(r.start_ns), ms(r.end_ns)))
+    if not any(busy):
+        raise ValueError(
+            f"request {request_id} has no compute spans: record the trace at the debug level"
+        )
+    # How long the request was open on each stage: stage 0's summary, the stages' own.
+    extents = {0: (ms(summary.start_ns), ms(summary.end_ns))}
+    for r in mine:
+        if r.name == "stage.binary_request_summary" and isinstance(r.attributes.get(_STAGE), int):
+            extents[r.attributes[_STAGE]] = (ms(r.start_ns), ms(r.end_ns))
+    segments: list[Segment] = []
+    for stage, spans in enumerate(busy):
+        spans.sort(key=lambda s: s.start_ms)
+        segments.extend(spans)
+        begin, end = extents.get(stage, (0.0, ms(summary.end_ns)))
+        segments.extend(_gaps(stage, spans, begin, end))
+    return Timeline(
+        request_id=request_id,
+        stages=stages,
+        elapsed_ms=ms(summary.end_ns),
+        segments=tuple(sorted(segments, key=lambda s: (s.stage, s.start_ms))),
+        windows=len(windows),
+        stale_windows=len(stale_ids),
+    )
+
+
+def _gaps(stage: int, spans: Sequence[Segment], begin: float, end: float) -> list[Segment]:
+    """The stretches of [begin, end] that no span covers: the stage's waiting."""
+    gaps, cursor = [], begin
+    for span in spans:
+        if span.start_ms > cursor:
+            gaps.append(Segment(stage, "wait", cursor, min(span.start_ms, end)))
+        cursor = max(cursor, span.end_ms)
+    if end > cursor:
+        gaps.append(Segment(stage, "wait", cursor, end))
+    return [gap for gap in gaps if gap.end_ms > gap.start_ms]
+
+
+def require_matplotlib() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend.
+
+    Raises:
+        StagerunError: matplotlib is not installed (it is the optional ``plot`` extra).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise StagerunError(
+            "writing a PNG needs matplotlib: pip install 'stagerun[plot]'"
+        ) from None
+    matplotlib.use("Agg")  # files only: no display, no GUI toolkit
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timeline(timeline: Timeline, path: str | pathlib.Path, *, title: str = "") -> None:
+    """One row per stage: compute, forward writes, waiting and stale work, in milliseconds."""
+    plt = require_matplotlib()
+    height = 1.5 + 0.55 * timeline.stages
+    figure, axes = plt.subplots(figsize=(11, height), dpi=120, layout="constrained")
+    try:
+        for kind in KINDS:
+            for stage in range(timeline.stages):
+                bars = [
+                    (s.start_ms, s.ms)
+                    for s in timeline.segments
+                    if s.stage == stage and s.kind == kind
+                ]
+                if bars:
+                    axes.broken_barh(
+                        bars, (stage - 0.38, 0.76), facecolors=COLOURS[kind], linewidth=0
+                    )
+        axes.set_yticks(range(timeline.stages))
+        axes.set_yticklabels([f"stage {i}" for i in range(timeline.stages)])
+        axes.invert_yaxis()
+        axes.set_xlim(0, timeline.elapsed_ms)
+        axes.set_xlabel("milliseconds since the request began")
+        totals = timeline.totals()
+        stale = sum(row["stale"] for row in totals)
+        axes.set_title(
+            title
+            or f"request {timeline.request_id:x}: {timeline.windows} verify windows, "
+            f"{timeline.stale_windows} stale ({stale:.0f} ms of stale compute)",
+            fontsize=10,
+        )
+        handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in KINDS]
+        figure.legend(handles, KINDS, loc="outside lower center", ncol=4, frameon=False)
+        figure.savefig(path)
+    finally:
+        plt.close(figure)
+
+
+def plot_hop_sweep(
+    sweep: Sequence[Mapping[str, Any]], path: str | pathlib.Path, *, title: str = ""
+) -> None:
+    """Tokens/s against hop delay, a line per configuration (plain, depth 1, depth D...).
+
+    ``sweep``: one ``{"hop_delay_ms": ..., "tokens_per_second": {name: rate}}`` per delay.
+    """
+    plt = require_matplotlib()
+    rows = sorted(sweep, key=lambda row: row["hop_delay_ms"])
+    delays = [row["hop_delay_ms"] for row in rows]
+    names = list(rows[0]["tokens_per_second"])
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120, layout="constrained")
+    try:
+        for name in names:
+            rates = [row["tokens_per_second"][name] for row in rows]
+            style = "--" if name == "always_wrong" else "-"
+            axes.plot(delays, rates, style, marker="o", label=name.replace("_", " "))
+        axes.set_xlabel("emulated delay per hop (ms)")
+        axes.set_ylabel("tokens/s")
+        axes.set_ylim(bottom=0)
+        axes.grid(alpha=0.3)
+        axes.legend(frameon=False)
+        axes.set_title(title or "decode throughput against hop delay", fontsize=10)
+        figure.savefig(path)
+    finally:
+        plt.close(figure)

@@ -1,0 +1,142 @@
+"""``stagerun bench --png``: the per-stage timeline rebuilt from telemetry, and the PNGs."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+import sys
+
+import pytest
+
+from stagerun._cli import main
+from stagerun._report import load_trace, request_timeline
+from stagerun.telemetry import Record
+
+MS = 1_000_000  # nanoseconds
+T0 = 1_800_000_000_000_000_000
+
+
+def span(name: str, start_ms: float, end_ms: float, **attributes: object) -> Record:
+    return Record(
+        name,
+        T0 + int(start_ms * MS),
+        T0 + int(end_ms * MS),
+        {f"llama_stage.{key}": value for key, value in attributes.items()},
+    )
+
+
+def two_stage_request(request_id: int = 7) -> list[Record]:
+    """Stage 0 computes windows 1 and 2; window 2 went stale; stage 1 stops one compute."""
+    r = request_id
+    return [
+        span("stage.openai_generation_summary", 0, 100, request_id=r, stages=2),
+        span("stage.binary_llama_decode", 10, 20, request_id=r, stage_index=0, verify_window_id=1),
+        span("stage.binary_downstream_write", 20, 22, request_id=r, stage_index=0),
+        span("stage.binary_llama_decode", 30, 40, request_id=r, stage_index=0, verify_window_id=2),
+        span("stage.binary_request_summary", 5, 95, request_id=r, stage_index=1),
+        span("stage.binary_llama_decode", 25, 35, request_id=r, stage_index=1, verify_window_id=1),
+        span("stage.binary_llama_decode", 45, 48, request_id=r, stage_index=1, compute_stopped=True),
+        span("stage.openai_decode_verify_window", 10, 50, request_id=r, verify_window_id=1,
+             verify_window_stale=False, verify_window_cancelled=False),
+        span("stage.openai_decode_verify_window", 30, 60, request_id=r, verify_window_id=2,
+             verify_window_stale=True, verify_window_cancelled=False),
+    ]  # fmt: skip
+
+
+def test_the_timeline_splits_each_stage_into_compute_write_wait_and_stale() -> None:
+    timeline = request_timeline(two_stage_request())
+    assert timeline.stages == 2 and timeline.elapsed_ms == 100
+    assert timeline.windows == 2 and timeline.stale_windows == 1
+    stage0, stage1 = timeline.totals()
+    assert stage0 == {"compute": 10, "write": 2, "wait": 78, "stale": 10}
+    # stage 1's request ran from 5 to 95 ms on it; its stopped compute is stale work
+    assert stage1 == {"compute": 10, "write": 0, "wait": 77, "stale": 3}
+    waits = [(s.start_ms, s.end_ms) for s in timeline.segments if s.stage == 1 and s.kind == "wait"]
+    assert waits == [(5, 25), (35, 45), (48, 95)]
+
+
+def test_the_timeline_picks_one_request_out_of_a_shared_trace() -> None:
+    later = [
+        Record(r.name, r.start_ns + 500 * MS, r.end_ns + 500 * MS, r.attributes)
+        for r in two_stage_request(request_id=8)
+    ]
+    records = two_stage_request(request_id=7) + later
+    assert request_timeline(records).request_id == 8  # the last to finish, by default
+    earlier = request_timeline(records, request_id=7)
+    assert earlier.request_id == 7 and earlier.totals()[0]["compute"] == 10
+
+
+def test_a_trace_without_what_the_timeline_needs_says_so(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="no finished request"):
+        request_timeline([])
+    summary_only = two_stage_request()[:1]
+    with pytest.raises(ValueError, match="debug level"):
+        request_timeline(summary_only)
+    bad = tmp_path / "trace.jsonl"
+    bad.write_text('{"event": "x", "attributes": {}, "start_time_unix_nanos": 1, '
+                   '"end_time_unix_nanos": 2}\nnot json\n')  # fmt: skip
+    with pytest.raises(ValueError, match=r"trace.jsonl:2: not a telemetry record"):
+        load_trace(bad)
+
+
+def png_size(path: pathlib.Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_bench_timeline_traces_every_stage_process_into_one_png(
+    tiny_model_path: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png, trace = tmp_path / "timeline.png", tmp_path / "trace.jsonl"
+    code = main(["bench", "timeline", "--model", str(tiny_model_path), "--stages", "3",
+                 "--hop-delay-ms", "2", "--tokens", "16", "--png", str(png),
+                 "--trace", str(trace), "--json"])  # fmt: skip
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mode"] == "processes" and report["tokens"] == 16
+    assert len(report["per_stage_ms"]) == 3
+    assert all(row["compute"] + row["stale"] > 0 for row in report["per_stage_ms"])
+    assert all(row["write"] > 0 for row in report["per_stage_ms"][:2])
+    assert report["per_stage_ms"][2]["write"] == 0  # the last stage returns, it doesn't forward
+    width, height = png_size(png)
+    assert width > 1000 and height > 200
+    # three processes appended whole lines to one trace, and it rebuilds the same timeline
+    records = load_trace(trace)
+    assert len({r.attributes["stagerun.run_id"] for r in records}) == 3
+    assert request_timeline(records).totals() == report["per_stage_ms"]
+
+
+def test_bench_speculative_sweeps_hop_delays_into_a_png(
+    tiny_model_path: pathlib.Path, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "sweep.png"
+    code = main(["bench", "speculative", "--inproc", "--model", str(tiny_model_path),
+                 "--stages", "2", "--hop-delays", "0,3", "--tokens", "8", "--rounds", "1",
+                 "--png", str(png), "--json"])  # fmt: skip
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [row["hop_delay_ms"] for row in report["sweep"]] == [0, 3]
+    for row in report["sweep"]:
+        assert set(row["tokens_per_second"]) == {"plain", "depth1", "depth4", "always_wrong"}
+        assert row["identical_output"] is True
+    assert png_size(png)[0] > 500
+
+
+def test_without_matplotlib_a_png_is_refused_before_measuring(
+    tiny_model_path: pathlib.Path,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    code = main(["bench", "timeline", "--model", str(tiny_model_path),
+                 "--png", str(tmp_path / "x.png")])  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "pip install 'stagerun[plot]'" in err
+    assert "tracing" not in err  # nothing was started
+    assert not (tmp_path / "x.png").exists()
