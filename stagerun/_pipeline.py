@@ -481,7 +481,10 @@ class Pipeline:
             while True:
                 try:
                     async with self.pool.checkout(request_id) as lane:
-                        await lane.request_ack(
+                        # Not waited for here: the stages handle frames in order, so the
+                        # prefill follows at once and `_prefill` reads this ack with its own
+                        # (a round trip of the whole chain less before the first token).
+                        await lane.send(
                             _proto.Configure(
                                 request_id=request_id,
                                 return_key=lane.return_key,
@@ -625,7 +628,7 @@ class Pipeline:
         if lane is None:
             logits = await self._compute0(cache, 0, prompt_ids, request_id=request_id)
             return sample_token(logits[-1], sampling, len(prompt_ids))
-        report = await self._prefill(lane, request_id, cache, prompt_ids)
+        report = await self._prefill(lane, request_id, cache, prompt_ids, configure_owed=True)
         if timings is not None:
             timings["prefill_chunks"] = timings.get("prefill_chunks", 0) + report.chunks
         reply = await lane.receive_predictions(request_id)
@@ -654,7 +657,13 @@ class Pipeline:
         return int(reply.tokens[-1])
 
     async def _prefill(
-        self, lane: Any, request_id: int, cache: Any, prompt_ids: list[int]
+        self,
+        lane: Any,
+        request_id: int,
+        cache: Any,
+        prompt_ids: list[int],
+        *,
+        configure_owed: bool = False,
     ) -> PrefillReport:
         """Send the prompt in planned chunks, up to ``prefill_credit`` of them unacknowledged.
 
@@ -662,7 +671,18 @@ class Pipeline:
         for the prediction; the acks of the others (each carrying the whole chain's stats for
         its chunk) are drained before the prediction is read, and feed the pool's transport
         estimate, which seeds the next request's planner.
+
+        ``configure_owed``: the request's ``Configure`` went down unacknowledged just before;
+        its ack comes first, and a stage's refusal of it arrives here as `StageError`.
         """
+
+        async def next_ack() -> _proto.StageStats:
+            nonlocal configure_owed
+            if configure_owed:
+                await lane.receive_ack()
+                configure_owed = False
+            return (await lane.receive_ack()).stats  # type: ignore[no-any-return]
+
         total = len(prompt_ids)
         planner = PrefillPlanner(self.prefill_policy, total)
         estimate = self.pool.prefill_transport if self.pool is not None else None
@@ -698,7 +718,7 @@ class Pipeline:
             if not last:
                 pending += 1
                 while pending >= self.prefill_credit:
-                    down = down.merge((await lane.receive_ack()).stats)
+                    down = down.merge(await next_ack())
                     pending -= 1
             waited = time.perf_counter()
             chunk = PrefillChunkObservation(
@@ -725,8 +745,10 @@ class Pipeline:
             position += size
         acked = report.chunks - 1
         while pending:
-            down = down.merge((await lane.receive_ack()).stats)
+            down = down.merge(await next_ack())
             pending -= 1
+        if configure_owed:
+            await lane.receive_ack()
         report.finish(planner)
         self.last_prefill = report
         tel.span(

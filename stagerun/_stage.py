@@ -370,17 +370,18 @@ class _LaneTask:
         message = frame.message
         match message:
             case _proto.Configure():
+                if self.server.is_last:
+                    try:
+                        self.sink = await self.server.take_sink(message.return_key)
+                    except StageError as exc:
+                        # No session: the prefill stage 0 sent right behind is refused too.
+                        await self._fail(message.request_id, str(exc), upstream=True)
+                        return
                 self.sessions[message.request_id] = Session(
                     cache=self.server.backend.new_cache(),
                     sampling=message.sampling,
                     prompt_len=message.prompt_len,
                 )
-                if self.server.is_last:
-                    try:
-                        self.sink = await self.server.take_sink(message.return_key)
-                    except StageError as exc:
-                        await self._fail(message.request_id, str(exc), upstream=True)
-                        return
                 await self._relay_ack(message, _proto.StageStats(stage_count=1), fresh_session=True)
             case _proto.Prefill() | _proto.Decode() | _proto.Verify():
                 await self._forward_pass(message, frame.activations)

@@ -157,3 +157,41 @@ def test_malformed_frames_are_counted_as_protocol_errors(last_stage_backend: Num
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_refused_configure_refuses_the_prefill_sent_right_behind_it(
+    last_stage_backend: NumpyBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 0 sends the prefill without waiting for Configure's ack: if the last stage could
+    not bind the return connection, the prefill must be refused too, never computed."""
+    monkeypatch.setattr("stagerun._stage.SINK_WAIT_SECONDS", 0.2)
+
+    async def main() -> None:
+        server = StageServer(last_stage_backend, index=1, secret=None)
+        async with trio.open_nursery() as nursery:
+            address = await nursery.start(server.serve)
+            lane = await open_connection(
+                address, role=proto.Role.LANE, connect_timeout=2, ready_timeout=2
+            )
+            try:
+                with trio.fail_after(10):
+                    configure = proto.Configure(
+                        request_id=5, return_key=1234, prompt_len=3,
+                        sampling=proto.SamplingParams(),
+                    )  # fmt: skip
+                    await lane.send(configure, timeout=5)  # no RETURN connection for key 1234
+                    prefill = proto.Prefill(
+                        request_id=5, chunk_index=0, position=0, tokens=(1, 2, 3), predict=True
+                    )
+                    hidden = np.zeros((3, last_stage_backend.d_model), np.float32)
+                    await lane.send(prefill, hidden, "f32", timeout=5)
+                    first = (await lane.receive(timeout=5)).message
+                    second = (await lane.receive(timeout=5)).message
+            finally:
+                await lane.aclose_forcefully()
+            assert isinstance(first, proto.Error) and "no return connection" in first.message
+            assert isinstance(second, proto.Error) and "not configured" in second.message
+            assert server.computes == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
