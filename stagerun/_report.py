@@ -250,7 +250,8 @@ def plot_hop_sweep(
         for name in names:
             rates = [row["tokens_per_second"][name] for row in rows]
             style = "--" if name == "always_wrong" else "-"
-            axes.plot(delays, rates, style, marker="o", label=name.replace("_", " "))
+            axes.plot(delays, rates, style, marker="o", label=_config_label(name, names))
+        axes.set_xticks(delays)
         axes.set_xlabel("emulated delay per hop (ms)")
         axes.set_ylabel("tokens/s")
         axes.set_ylim(bottom=0)
@@ -260,3 +261,15 @@ def plot_hop_sweep(
         figure.savefig(path)
     finally:
         plt.close(figure)
+
+
+def _config_label(name: str, names: Sequence[str]) -> str:
+    """``depth4`` -> ``speculative, depth 4``; ``always_wrong`` names the depth it ran at."""
+    depths = [int(n.removeprefix("depth")) for n in names if n.removeprefix("depth").isdigit()]
+    if name == "plain":
+        return "plain decoding"
+    if name == "always_wrong":
+        return f"depth {max(depths, default=1)}, drafts always wrong"
+    if name.startswith("depth"):
+        return f"speculative, depth {name.removeprefix('depth')}"
+    return name
