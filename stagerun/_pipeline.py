@@ -2,12 +2,14 @@
 
 Theory of operation: stage 0 lives in the calling process. It owns the tokenizer, the first
 layer range and a `LanePool` to the rest of the pipeline (started or joined by
-`stagerun._launch.open_pipeline`). A request checks out a lane, configures the chain, sends the prompt in prefill chunks (the
-last chunk asks the last stage for a prediction), then decodes one token per round trip: stage
-0 computes its layers for the newest token and sends the activations; the prediction comes
-straight back from the last stage. On success the pool ends the request with ``Stop``; on any
-failure (or cancellation) the lane is replaced. With a drafter, decoding goes through
-pipelined verify windows instead (`stagerun._speculative`).
+`stagerun._launch.open_pipeline`). A request checks out a lane and sends ``Configure``, then,
+without waiting for its ack, the prompt in planned prefill chunks (`stagerun._chunked_prefill`;
+the last chunk asks the last stage for a prediction). It then decodes one token per round
+trip: stage 0 computes its layers for the newest token and sends the activations; the
+prediction comes straight back from the last stage. On success the pool ends the request with
+``Stop``; on any failure (or cancellation) the lane is replaced, and `RecoveryPolicy` decides
+whether the request resumes on a new lane by replaying its committed tokens. With a drafter,
+decoding goes through pipelined verify windows instead (`stagerun._speculative`).
 """
 
 from __future__ import annotations
@@ -25,15 +27,13 @@ import numpy as np
 import trio
 
 from . import _proto, plugins, telemetry
+from ._chunked_prefill import PrefillReport, send_prefill
 from ._errors import LaneError, RecoveryFailedError, StageError
 from ._lanes import Lane, LanePool, open_connection
 from ._proto._prefill import (
     AdaptiveRamp,
     ChunkPolicy,
-    DownstreamPrefillReport,
     FixedChunks,
-    PrefillChunkObservation,
-    PrefillPlanner,
     ScheduleChunks,
     parse_chunk_policy,
 )
@@ -658,163 +658,31 @@ class Pipeline:
 
     async def _prefill(
         self,
-        lane: Any,
+        lane: Lane,
         request_id: int,
         cache: Any,
         prompt_ids: list[int],
         *,
         configure_owed: bool = False,
     ) -> PrefillReport:
-        """Send the prompt in planned chunks, up to ``prefill_credit`` of them unacknowledged.
-
-        Stage 0 computes chunk i+1 while the later stages work on chunk i. The last chunk asks
-        for the prediction; the acks of the others (each carrying the whole chain's stats for
-        its chunk) are drained before the prediction is read, and feed the pool's transport
-        estimate, which seeds the next request's planner.
-
-        ``configure_owed``: the request's ``Configure`` went down unacknowledged just before;
-        its ack comes first, and a stage's refusal of it arrives here as `StageError`.
-        """
-
-        async def next_ack() -> _proto.StageStats:
-            nonlocal configure_owed
-            if configure_owed:
-                await lane.receive_ack()
-                configure_owed = False
-            return (await lane.receive_ack()).stats  # type: ignore[no-any-return]
-
-        total = len(prompt_ids)
-        planner = PrefillPlanner(self.prefill_policy, total)
-        estimate = self.pool.prefill_transport if self.pool is not None else None
-        if estimate is not None:
-            planner.seed(estimate)
-        report = PrefillReport(policy=repr(self.prefill_policy))
-        down = _proto.StageStats()
-        tel = telemetry.current()
-        prefill_start = telemetry.now_ns()
-        pending, position = 0, 0
-        prefill_t0 = time.perf_counter()
-        while position < total:
-            size = planner.next_size(total - position)
-            piece = prompt_ids[position : position + size]
-            last = position + size >= total
-            started = time.perf_counter()
-            hidden = await self._compute0(
-                cache, position, piece, logits="all", request_id=request_id
+        async def compute(position: int, tokens: Sequence[int]) -> np.ndarray[Any, Any]:
+            return await self._compute0(
+                cache, position, tokens, logits="all", request_id=request_id
             )
-            computed = time.perf_counter()
-            await lane.send(
-                _proto.Prefill(
-                    request_id=request_id,
-                    chunk_index=report.chunks,
-                    position=position,
-                    tokens=tuple(piece),
-                    predict=last,
-                ),
-                hidden,
-                self.wire_dtype,
-            )
-            written = time.perf_counter()
-            if not last:
-                pending += 1
-                while pending >= self.prefill_credit:
-                    down = down.merge(await next_ack())
-                    pending -= 1
-            waited = time.perf_counter()
-            chunk = PrefillChunkObservation(
-                compute_ms=(computed - started) * 1000.0,
-                forward_write_ms=(written - computed) * 1000.0,
-                downstream_wait_ms=(waited - written) * 1000.0,
-            )
-            planner.observe(chunk)
-            report.add(len(piece), chunk)
-            if tel.debug_enabled:
-                tel.debug_span(
-                    "stage.openai_prefill_chunk",
-                    prefill_start + int((started - prefill_t0) * 1e9),
-                    {
-                        "llama_stage.request_id": request_id,
-                        "llama_stage.seq_id": report.chunks - 1,
-                        "llama_stage.pos_start": position,
-                        "llama_stage.token_count": len(piece),
-                        "llama_stage.stage0_compute_ms": chunk.compute_ms,
-                        "llama_stage.forward_write_ms": chunk.forward_write_ms,
-                        "llama_stage.downstream_wait_ms": chunk.downstream_wait_ms,
-                    },
-                )
-            position += size
-        acked = report.chunks - 1
-        while pending:
-            down = down.merge(await next_ack())
-            pending -= 1
-        if configure_owed:
-            await lane.receive_ack()
-        report.finish(planner)
-        self.last_prefill = report
-        tel.span(
-            "stage.openai_prefill",
-            prefill_start,
-            {
-                "llama_stage.request_id": request_id,
-                "llama_stage.token_count": total,
-                "llama_stage.prefill_chunks": report.chunks,
-                "llama_stage.prefill_chunks_grew": report.grew,
-                "llama_stage.prefill_chunks_shrank": report.shrank,
-                "llama_stage.prefill_max_forward_write_ms": report.max_write_ms,
-                "llama_stage.prefill_max_downstream_wait_ms": report.max_wait_ms,
-                "llama_stage.downstream_compute_ms": down.compute_us / 1000.0,
-                "llama_stage.elapsed_ms": (telemetry.now_ns() - prefill_start) / 1e6,
-            },
+
+        report = await send_prefill(
+            lane,
+            request_id,
+            prompt_ids,
+            compute0=compute,
+            policy=self.prefill_policy,
+            credit=self.prefill_credit,
+            wire_dtype=self.wire_dtype,
+            estimate=self.pool.prefill_transport if self.pool is not None else None,
+            configure_owed=configure_owed,
         )
-        if estimate is not None and acked:
-            estimate.observe(
-                stage_index=0,
-                compute_ms=report.representative_compute_ms,
-                compute_tokens=report.representative_tokens,
-                forward_write_ms=report.max_write_ms,
-                downstream_wait_ms=report.max_wait_ms,
-                downstream=DownstreamPrefillReport(
-                    compute_ms=down.slowest_compute_us / 1000.0,
-                    compute_tokens=down.slowest_tokens,
-                    compute_stage_index=down.slowest_stage,
-                    edge_write_ms=down.edge_write_us / 1000.0,
-                    edge_wait_ms=down.edge_wait_us / 1000.0,
-                    edge_stage_index=down.edge_stage,
-                    observations=acked,
-                ),
-            )
+        self.last_prefill = report
         return report
-
-
-@attrs.define
-class PrefillReport:
-    """How one request's prefill went: chunk sizes and stage 0's view of each chunk."""
-
-    policy: str
-    chunks: int = 0
-    sizes: list[int] = attrs.Factory(list)
-    representative_tokens: int = 0
-    representative_compute_ms: float = 0.0
-    max_write_ms: float = 0.0
-    max_wait_ms: float = 0.0
-    grew: int = 0
-    shrank: int = 0
-
-    def add(self, tokens: int, chunk: PrefillChunkObservation) -> None:
-        self.chunks += 1
-        self.sizes.append(tokens)
-        # the representative chunk: the most tokens, the slowest on a tie
-        if (tokens, chunk.compute_ms) > (
-            self.representative_tokens,
-            self.representative_compute_ms,
-        ):
-            self.representative_tokens = tokens
-            self.representative_compute_ms = chunk.compute_ms
-        self.max_write_ms = max(self.max_write_ms, chunk.forward_write_ms)
-        self.max_wait_ms = max(self.max_wait_ms, chunk.downstream_wait_ms)
-
-    def finish(self, planner: PrefillPlanner) -> None:
-        self.grew, self.shrank = planner.grew, planner.shrank
 
 
 class GenerationStream:

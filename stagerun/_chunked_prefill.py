@@ -1,0 +1,191 @@
+"""Stage 0's side of a prefill: planned chunks, pipelined through the stages.
+
+Theory of operation: `PrefillPlanner` (sans-IO, in `stagerun._proto._prefill`) picks each
+chunk's size. `send_prefill` computes a chunk on stage 0, sends it down the lane and goes on
+to the next one while the later stages work: up to ``credit`` chunks may be unacknowledged.
+Each ack carries the whole chain's statistics for its chunk (`_proto.StageStats`, merged
+hop by hop); they are folded into the lane pool's EWMA transport estimate, which seeds the
+planner of the next request. The last chunk asks the last stage for a prediction, which
+comes back on the return connection (`Pipeline` reads it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from . import _proto, telemetry
+from ._lanes import Lane
+from ._proto._prefill import (
+    ChunkPolicy,
+    DownstreamPrefillReport,
+    PrefillChunkObservation,
+    PrefillPlanner,
+    PrefillTransportEstimate,
+)
+
+__all__ = ["PrefillReport", "send_prefill"]
+
+
+@attrs.define
+class PrefillReport:
+    """How one request's prefill went: chunk sizes and stage 0's view of each chunk."""
+
+    policy: str
+    chunks: int = 0
+    sizes: list[int] = attrs.Factory(list)
+    representative_tokens: int = 0
+    representative_compute_ms: float = 0.0
+    max_write_ms: float = 0.0
+    max_wait_ms: float = 0.0
+    grew: int = 0
+    shrank: int = 0
+
+    def add(self, tokens: int, chunk: PrefillChunkObservation) -> None:
+        self.chunks += 1
+        self.sizes.append(tokens)
+        # the representative chunk: the most tokens, the slowest on a tie
+        if (tokens, chunk.compute_ms) > (
+            self.representative_tokens,
+            self.representative_compute_ms,
+        ):
+            self.representative_tokens = tokens
+            self.representative_compute_ms = chunk.compute_ms
+        self.max_write_ms = max(self.max_write_ms, chunk.forward_write_ms)
+        self.max_wait_ms = max(self.max_wait_ms, chunk.downstream_wait_ms)
+
+    def finish(self, planner: PrefillPlanner) -> None:
+        self.grew, self.shrank = planner.grew, planner.shrank
+
+
+async def send_prefill(
+    lane: Lane,
+    request_id: int,
+    prompt_ids: Sequence[int],
+    *,
+    compute0: Callable[[int, Sequence[int]], Awaitable[np.ndarray[Any, Any]]],
+    policy: ChunkPolicy,
+    credit: int,
+    wire_dtype: _proto.ActivationDType,
+    estimate: PrefillTransportEstimate | None,
+    configure_owed: bool = False,
+) -> PrefillReport:
+    """Send ``prompt_ids`` in planned chunks, up to ``credit`` of them unacknowledged.
+
+    ``compute0(position, tokens)`` runs stage 0's layers (every row's activations).
+    Stage 0 computes chunk i+1 while the later stages work on chunk i. The acks of the chunks
+    before the last are drained before this returns; the caller then reads the last chunk's
+    prediction. ``estimate`` (the pool's) seeds the planner and learns from this prefill.
+
+    ``configure_owed``: the request's ``Configure`` went down unacknowledged just before;
+    its ack comes first, and a stage's refusal of it arrives here as `StageError`.
+    """
+
+    async def next_ack() -> _proto.StageStats:
+        nonlocal configure_owed
+        if configure_owed:
+            await lane.receive_ack()
+            configure_owed = False
+        return (await lane.receive_ack()).stats
+
+    total = len(prompt_ids)
+    planner = PrefillPlanner(policy, total)
+    if estimate is not None:
+        planner.seed(estimate)
+    report = PrefillReport(policy=repr(policy))
+    down = _proto.StageStats()
+    tel = telemetry.current()
+    prefill_start = telemetry.now_ns()
+    pending, position = 0, 0
+    prefill_t0 = time.perf_counter()
+    while position < total:
+        size = planner.next_size(total - position)
+        piece = prompt_ids[position : position + size]
+        last = position + size >= total
+        started = time.perf_counter()
+        hidden = await compute0(position, piece)
+        computed = time.perf_counter()
+        await lane.send(
+            _proto.Prefill(
+                request_id=request_id,
+                chunk_index=report.chunks,
+                position=position,
+                tokens=tuple(piece),
+                predict=last,
+            ),
+            hidden,
+            wire_dtype,
+        )
+        written = time.perf_counter()
+        if not last:
+            pending += 1
+            while pending >= credit:
+                down = down.merge(await next_ack())
+                pending -= 1
+        waited = time.perf_counter()
+        chunk = PrefillChunkObservation(
+            compute_ms=(computed - started) * 1000.0,
+            forward_write_ms=(written - computed) * 1000.0,
+            downstream_wait_ms=(waited - written) * 1000.0,
+        )
+        planner.observe(chunk)
+        report.add(len(piece), chunk)
+        if tel.debug_enabled:
+            tel.debug_span(
+                "stage.openai_prefill_chunk",
+                prefill_start + int((started - prefill_t0) * 1e9),
+                {
+                    "llama_stage.request_id": request_id,
+                    "llama_stage.seq_id": report.chunks - 1,
+                    "llama_stage.pos_start": position,
+                    "llama_stage.token_count": len(piece),
+                    "llama_stage.stage0_compute_ms": chunk.compute_ms,
+                    "llama_stage.forward_write_ms": chunk.forward_write_ms,
+                    "llama_stage.downstream_wait_ms": chunk.downstream_wait_ms,
+                },
+            )
+        position += size
+    acked = report.chunks - 1
+    while pending:
+        down = down.merge(await next_ack())
+        pending -= 1
+    if configure_owed:
+        await lane.receive_ack()
+    report.finish(planner)
+    tel.span(
+        "stage.openai_prefill",
+        prefill_start,
+        {
+            "llama_stage.request_id": request_id,
+            "llama_stage.token_count": total,
+            "llama_stage.prefill_chunks": report.chunks,
+            "llama_stage.prefill_chunks_grew": report.grew,
+            "llama_stage.prefill_chunks_shrank": report.shrank,
+            "llama_stage.prefill_max_forward_write_ms": report.max_write_ms,
+            "llama_stage.prefill_max_downstream_wait_ms": report.max_wait_ms,
+            "llama_stage.downstream_compute_ms": down.compute_us / 1000.0,
+            "llama_stage.elapsed_ms": (telemetry.now_ns() - prefill_start) / 1e6,
+        },
+    )
+    if estimate is not None and acked:
+        estimate.observe(
+            stage_index=0,
+            compute_ms=report.representative_compute_ms,
+            compute_tokens=report.representative_tokens,
+            forward_write_ms=report.max_write_ms,
+            downstream_wait_ms=report.max_wait_ms,
+            downstream=DownstreamPrefillReport(
+                compute_ms=down.slowest_compute_us / 1000.0,
+                compute_tokens=down.slowest_tokens,
+                compute_stage_index=down.slowest_stage,
+                edge_write_ms=down.edge_write_us / 1000.0,
+                edge_wait_ms=down.edge_wait_us / 1000.0,
+                edge_stage_index=down.edge_stage,
+                observations=acked,
+            ),
+        )
+    return report
