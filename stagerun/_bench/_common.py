@@ -1,0 +1,68 @@
+"""What every benchmark shares."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Hashable, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
+
+from .._launch import open_pipeline
+from .._pipeline import Pipeline
+from .._proto import SamplingParams
+
+K = TypeVar("K", bound=Hashable)
+
+
+def say(args: argparse.Namespace, text: str) -> None:
+    """A progress line on stderr (stdout carries the report)."""
+    print(f"stagerun bench: {text}", file=sys.stderr, flush=True)
+
+
+def bench_pipeline(
+    args: argparse.Namespace, **options: Any
+) -> AbstractAsyncContextManager[Pipeline]:
+    """`open_pipeline` on the model, plugins, threads and wire format the options name.
+
+    ``options`` add to them or override them (``stages``, ``mode``, ``hop_delay_ms``...).
+    """
+    settings: dict[str, Any] = {
+        "mode": "inproc" if args.inproc else "processes",
+        "threads": args.threads,
+        "wire_dtype": args.wire_dtype,
+        "transport": args.transport,
+        "transports": args.transports,
+        "backend": args.backend,
+        "backends": args.backends,
+        "device": args.device,
+    }
+    settings.update(options)
+    return open_pipeline(args.model, **settings)
+
+
+async def decode_rounds(
+    args: argparse.Namespace, pipelines: Mapping[K, Pipeline], label: str = "{}"
+) -> tuple[dict[K, list[float]], dict[K, list[int]]]:
+    """Greedy decode of ``args.prompt`` on every pipeline in turn, ``args.rounds`` times.
+
+    Returns tokens/s per round and the first round's tokens, for each pipeline. A short
+    warm-up run on each comes first (caches, thread pools, lanes). ``label`` formats a
+    pipeline's key in the progress lines.
+    """
+    greedy = SamplingParams()
+    samples: dict[K, list[float]] = {key: [] for key in pipelines}
+    outputs: dict[K, list[int]] = {}
+    for pipeline in pipelines.values():
+        await pipeline.complete(args.prompt, max_tokens=8, sampling=greedy, ignore_eog=True)
+    for round_index in range(args.rounds):
+        for key, pipeline in pipelines.items():
+            result = await pipeline.complete(
+                args.prompt, max_tokens=args.tokens, sampling=greedy, ignore_eog=True
+            )
+            rate = result.timings["predicted_per_second"]
+            samples[key].append(rate)
+            outputs.setdefault(key, result.token_ids)
+            name = label.format(key)
+            say(args, f"round {round_index + 1}/{args.rounds}: {name} {rate:.1f} tokens/s")
+    return samples, outputs

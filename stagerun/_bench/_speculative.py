@@ -1,0 +1,267 @@
+"""``stagerun bench``: speculative decoding against plain decoding over an emulated WAN, and one request traced stage by stage."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from typing import Any
+
+import trio
+
+from .._launch import Mode
+from .._proto import SamplingParams
+from ._common import bench_pipeline, say
+
+SPECULATIVE_PROMPTS = {
+    "repeat": "Repeat the following text exactly, word for word: The lighthouse keeper climbed "
+    "the one hundred and twelve stairs every evening, wound the clockwork, trimmed the wick and "
+    "lit the great lamp that warned the fishing boats away from the rocks. In winter the storms "
+    "came in from the west, and the waves broke so high against the tower that salt crusted the "
+    "windows of the lamp room. He kept a logbook of every ship that passed, every gale and every "
+    "night the fog horn sounded, and after forty years the logbooks filled a whole shelf in the "
+    "kitchen below.",
+    "rewrite": "Rewrite this paragraph in the past tense, changing nothing else: I walk to the "
+    "market every morning. I buy fresh bread and a bag of apples, and I talk with the baker "
+    "about the weather. Then I carry everything home along the river. The ducks follow me for a "
+    "while because they hope for crumbs, and I always give them the last piece of the loaf. At "
+    "home I make coffee, read the newspaper and write a letter to my sister, who lives by the "
+    "sea.",
+    "code-edit": "Rename the variable total to subtotal in this Python function and show the "
+    "complete function:\n\ndef order_total(items, tax_rate, discount):\n    total = 0\n"
+    "    for item in items:\n        if item.quantity <= 0:\n            continue\n"
+    "        total += item.price * item.quantity\n    if discount:\n"
+    "        total = total - discount\n    total = total * (1 + tax_rate)\n"
+    "    return round(total, 2)\n",
+}
+
+
+async def bench_speculative(args: argparse.Namespace) -> int:
+    """Plain vs depth 1 vs depth D on input-grounded prompts, over an emulated WAN link.
+
+    With ``--hop-delays`` the comparison runs once per delay (a pipeline each; the ratios are
+    side by side within each delay) and ``--png`` draws tokens/s against the delay.
+    """
+    delays: list[float] = args.hop_delays or [args.hop_delay_ms]
+    if args.png:
+        from .._report import require_matplotlib
+
+        require_matplotlib()  # fail before minutes of measuring, not after
+    results = [await _speculative_at(args, delay) for delay in delays]
+    if len(results) == 1:
+        report = results[0]
+    else:
+        common = ("benchmark", "model", "stages", "mode", "threads_per_stage", "window", "depth",
+                  "tokens_per_prompt", "rounds", "prompts")  # fmt: skip
+        report = {key: results[0][key] for key in common}
+        report["sweep"] = [
+            {key: row[key] for key in row if key not in common or key == "benchmark"}
+            for row in results
+        ]
+        for row in report["sweep"]:
+            row.pop("benchmark")
+    if args.png:
+        from .._report import plot_hop_sweep
+
+        plot_hop_sweep(
+            results,
+            args.png,
+            title=f"{args.stages} stages, window {args.window}, depth {args.depth}: "
+            "tokens/s against hop delay",
+        )
+        say(args, f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    for row in results:
+        if len(results) > 1:
+            print(f"hop delay {row['hop_delay_ms']:g} ms")
+        for name, rate in row["tokens_per_second"].items():
+            print(f"  {name:12s} {rate:7.2f} tokens/s")
+        for key, value in row["ratios"].items():
+            print(f"  {key:24s} {value:.3f}")
+        print(f"  identical output: {row['identical_output']}")
+    return 0
+
+
+async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict[str, Any]:
+    from .._speculative import SpeculationConfig
+    from ..drafters import OracleDrafter
+
+    mode: Mode = "inproc" if args.inproc else "processes"
+    # One compute thread per stage unless told otherwise: stages here share the machine's
+    # cores, and a multi-threaded BLAS whose workers fall asleep during every hop delay paid
+    # about 7 ms per forward to wake them (measured: 14.4 vs 7.6 ms on stage 0).
+    threads = args.threads if args.threads is not None else 1
+    greedy = SamplingParams()
+    configs = {
+        "plain": None,
+        "depth1": SpeculationConfig("ngram", depth=1, window=args.window),
+        f"depth{args.depth}": SpeculationConfig("ngram", depth=args.depth, window=args.window),
+    }
+    names = [*configs, "always_wrong"]
+    tokens: dict[str, int] = dict.fromkeys(names, 0)
+    seconds: dict[str, float] = dict.fromkeys(names, 0.0)
+    accepted: dict[str, int] = dict.fromkeys(names, 0)
+    proposed: dict[str, int] = dict.fromkeys(names, 0)
+    identical = True
+    say(args, f"starting a {args.stages}-stage pipeline ({mode}, hop delay {hop_delay_ms} ms)")
+    async with bench_pipeline(
+        args, stages=args.stages, threads=threads, hop_delay_ms=hop_delay_ms
+    ) as pipeline:
+        await pipeline.complete("Hello", max_tokens=4, sampling=greedy)
+        for round_index in range(args.rounds):
+            for label, prompt in SPECULATIVE_PROMPTS.items():
+                plain_ids: list[int] | None = None
+                for name in names:
+                    drafter = None
+                    spec = configs.get(name)
+                    if name == "always_wrong":
+                        assert plain_ids is not None
+                        ids = pipeline.encode_prompt(prompt, chat=True)
+                        drafter = OracleDrafter(
+                            ids + plain_ids, error_rate=1.0, vocab_size=pipeline.config.vocab_size
+                        )
+                        spec = configs[f"depth{args.depth}"]
+                    result = await pipeline.complete(
+                        prompt,
+                        chat=True,
+                        max_tokens=args.tokens,
+                        sampling=greedy,
+                        speculation=spec,
+                        drafter=drafter,
+                    )
+                    if plain_ids is None:
+                        plain_ids = result.token_ids
+                    identical &= result.token_ids == plain_ids
+                    t = result.timings
+                    tokens[name] += max(int(t["predicted_n"]) - 1, 0)
+                    seconds[name] += t["predicted_ms"] / 1000.0
+                    accepted[name] += int(t.get("speculative_accepted_n", 0))
+                    proposed[name] += int(t.get("speculative_proposed_n", 0))
+                    rate = t["predicted_per_second"]
+                    say(args, f"round {round_index + 1} {label:9s} {name:12s} {rate:6.1f} tok/s")
+    rates = {n: tokens[n] / seconds[n] if seconds[n] else 0.0 for n in names}
+    deep = f"depth{args.depth}"
+    return {
+        "benchmark": "speculative",
+        "model": str(args.model),
+        "stages": args.stages,
+        "mode": mode,
+        "hop_delay_ms": hop_delay_ms,
+        "threads_per_stage": threads,
+        "window": args.window,
+        "depth": args.depth,
+        "tokens_per_prompt": args.tokens,
+        "rounds": args.rounds,
+        "prompts": list(SPECULATIVE_PROMPTS),
+        "tokens_per_second": {n: round(r, 2) for n, r in rates.items()},
+        "acceptance": {n: round(accepted[n] / proposed[n], 3) for n in names if proposed[n]},
+        "ratios": {
+            f"{deep}_vs_plain": round(rates[deep] / rates["plain"], 3),
+            f"{deep}_vs_depth1": round(rates[deep] / rates["depth1"], 3),
+            "depth1_vs_plain": round(rates["depth1"] / rates["plain"], 3),
+            "always_wrong_vs_plain": round(rates["always_wrong"] / rates["plain"], 3),
+        },
+        "identical_output": identical,
+    }
+
+
+async def bench_timeline(args: argparse.Namespace) -> int:
+    """Trace one speculative request at the debug level and lay it out per stage."""
+    import tempfile
+
+    from .. import telemetry
+    from .._report import load_trace, plot_timeline, request_timeline
+    from .._speculative import SpeculationConfig
+
+    if args.png:
+        from .._report import require_matplotlib
+
+        require_matplotlib()
+    mode: Mode = "inproc" if args.inproc else "processes"
+    threads = args.threads if args.threads is not None else 1
+    spec = SpeculationConfig("ngram", depth=args.depth, window=args.window)
+    prompt = SPECULATIVE_PROMPTS[args.prompt]
+    with contextlib.ExitStack() as cleanup:
+        trace = args.trace
+        if trace is None:
+            trace = cleanup.enter_context(tempfile.TemporaryDirectory()) + "/trace.jsonl"
+        else:
+            trace = str(await trio.Path(trace).absolute())  # stage processes append here too
+            await trio.Path(trace).unlink(missing_ok=True)  # the trace of this run only
+        # Stage processes read their telemetry settings from the environment they inherit.
+        saved = {k: os.environ.get(k) for k in ("STAGERUN_TELEMETRY", "STAGERUN_TELEMETRY_JSONL")}
+        os.environ.update(STAGERUN_TELEMETRY="debug", STAGERUN_TELEMETRY_JSONL=trace)
+        cleanup.callback(_restore_env, saved)
+        tel = telemetry.Telemetry(
+            "debug", [telemetry.JsonLinesSink(trace)], capacity=1 << 16,
+            common={"stagerun.stage_id": 0},
+        )  # fmt: skip
+        previous = telemetry.set_current(tel)
+        cleanup.callback(telemetry.set_current, previous)
+        say(
+            args,
+            f"tracing one request on a {args.stages}-stage pipeline ({mode}, hop delay "
+            f"{args.hop_delay_ms} ms, depth {args.depth}, window {args.window})",
+        )
+        async with (
+            telemetry.draining(tel),
+            bench_pipeline(
+                args, stages=args.stages, threads=threads, hop_delay_ms=args.hop_delay_ms
+            ) as pipeline,
+        ):
+            await pipeline.complete("Hello", max_tokens=4, speculation=spec)  # warm-up
+            result = await pipeline.complete(
+                prompt, chat=True, max_tokens=args.tokens, speculation=spec
+            )
+        if tel.dropped:
+            say(args, f"warning: {tel.dropped} telemetry records were dropped")
+        timeline = request_timeline(load_trace(trace))
+    totals = timeline.totals()
+    report: dict[str, Any] = {
+        "benchmark": "timeline",
+        "model": str(args.model),
+        "stages": args.stages,
+        "mode": mode,
+        "hop_delay_ms": args.hop_delay_ms,
+        "depth": args.depth,
+        "window": args.window,
+        "prompt": args.prompt,
+        "tokens": len(result.token_ids),
+        "elapsed_ms": round(timeline.elapsed_ms, 2),
+        "verify_windows": timeline.windows,
+        "stale_windows": timeline.stale_windows,
+        "per_stage_ms": totals,
+    }
+    if args.png:
+        plot_timeline(
+            timeline,
+            args.png,
+            title=f"one request, {args.stages} stages, hop delay {args.hop_delay_ms:g} ms, "
+            f"depth {args.depth}: {timeline.windows} verify windows, "
+            f"{timeline.stale_windows} stale",
+        )
+        say(args, f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(
+        f"request: {report['tokens']} tokens in {report['elapsed_ms']:.1f} ms, "
+        f"{timeline.windows} verify windows, {timeline.stale_windows} stale"
+    )
+    for stage, row in enumerate(totals):
+        print(
+            f"stage {stage}: compute {row['compute']:8.1f} ms  write {row['write']:7.1f} ms  "
+            f"wait {row['wait']:8.1f} ms  stale {row['stale']:7.1f} ms"
+        )
+    return 0
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
