@@ -101,6 +101,9 @@ def load_trace(path: str | pathlib.Path) -> list[Record]:
 def request_timeline(records: Iterable[Record], request_id: int | None = None) -> Timeline:
     """Build the timeline of ``request_id`` (default: the last request that finished).
 
+    A request that recovered onto a new lane (see docs/reliability.md) carries a new id from
+    then on: its timeline is the stretch under the id its summary names, the last one.
+
     Raises:
         ValueError: the trace has no finished request, or lacks the ``debug`` spans.
     """
