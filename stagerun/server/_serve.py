@@ -208,7 +208,7 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
 
 def options_from_args(args: object) -> ServeOptions:
     """`ServeOptions` from the parsed ``stagerun serve`` arguments."""
-    from .._cli import recovery_from_args, speculation_from_args
+    from .._options import recovery_from_args, speculation_from_args
 
     get = functools.partial(getattr, args)
     recovery, supervision = recovery_from_args(args)  # type: ignore[arg-type]

@@ -1,0 +1,461 @@
+"""The ``stagerun`` command line's options: every subcommand's parser, and the policies the
+options stand for (`recovery_from_args`, `speculation_from_args`)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from ._speculative import SpeculationConfig
+
+__all__ = ["build_parser", "recovery_from_args", "speculation_from_args"]
+
+
+def _layer_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    if not sep or not lo.strip().isdigit() or not hi.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"layer range {text!r} must look like LO:HI, e.g. 0:10")
+    return int(lo), int(hi)
+
+
+def _layer_ranges(text: str) -> list[tuple[int, int]]:
+    return [_layer_range(part) for part in text.split(",") if part.strip()]
+
+
+def _stage_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"stage counts {text!r} must look like 1,2,3") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError("stage counts must be positive integers")
+    return counts
+
+
+def _delays(text: str) -> list[float]:
+    try:
+        delays = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"hop delays {text!r} must look like 0,10,20") from None
+    if not delays or not all(math.isfinite(d) and d >= 0 for d in delays):
+        raise argparse.ArgumentTypeError("hop delays must be milliseconds, 0 or more")
+    return delays
+
+
+def _png_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--png",
+        default=None,
+        metavar="PATH",
+        help=f"also draw {what} into this PNG (needs matplotlib: pip install 'stagerun[plot]')",
+    )
+
+
+def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="model name or GGUF path (default: smollm2)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads per stage")
+    p.add_argument(
+        "--inproc",
+        action="store_true",
+        help="run all stages as tasks in this process (default: one process per stage)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=["f32", "f16", "q8"],
+        default="f32",
+        help="activation dtype on lanes",
+    )
+    _plugin_options(p)
+
+
+def _transport_list(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"transports {text!r} must look like ws,tcp")
+    return names
+
+
+def _plugin_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--transport",
+        default="tcp",
+        help="transport plugin of every lane between local stages (default tcp; see "
+        "`stagerun plugins`)",
+    )
+    p.add_argument(
+        "--transports",
+        type=_transport_list,
+        default=None,
+        help="one transport per hop instead, stage 0->1 first, e.g. ws,tcp",
+    )
+    p.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
+    p.add_argument(
+        "--backends",
+        type=_transport_list,
+        default=None,
+        help="one backend per stage instead, stage 0 first, e.g. numpy,torch,numpy",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="compute device for backends that take one (torch): cuda, cuda:1, cpu",
+    )
+
+
+def _secret_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="authenticate every lane with the shared secret in PATH (HMAC challenge-response; "
+        "every stage needs the same file; default $STAGERUN_SECRET_FILE)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="certificate (chain) for tls:// and wss:// lanes this process serves "
+        "(default $STAGERUN_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key", default=None, metavar="PEM", help="its private key (default: in --tls-cert)"
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="authorities trusted for tls:// and wss:// stages this process connects to "
+        "(default $STAGERUN_TLS_CA, else the system's)",
+    )
+
+
+def _telemetry_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--telemetry",
+        choices=["off", "summary", "debug"],
+        default=None,
+        help="record events and spans (default $STAGERUN_TELEMETRY or off; see "
+        "docs/observability.md)",
+    )
+    p.add_argument(
+        "--telemetry-jsonl",
+        default=None,
+        metavar="PATH",
+        help="append telemetry as JSON lines to PATH, or 'stderr' (default: stderr)",
+    )
+
+
+def _reliability_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--recovery-timeout",
+        type=float,
+        default=None,
+        metavar="SECS",
+        help="how long a request waits for a failed stage to come back before it fails "
+        "(default $STAGERUN_RECOVERY_TIMEOUT_SECS or 60; 0 fails at the first lane failure)",
+    )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="do not restart local stage processes that die (default: restart with backoff)",
+    )
+
+
+def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(RecoveryPolicy, SupervisionPolicy) for ``--recovery-timeout`` and ``--no-restart``."""
+    from ._pipeline import RecoveryPolicy
+    from ._supervise import SupervisionPolicy
+
+    timeout = getattr(args, "recovery_timeout", None)
+    if timeout is None:
+        recovery = RecoveryPolicy()
+    elif timeout < 0:
+        raise ValueError(f"--recovery-timeout must not be negative, got {timeout:g}")
+    elif timeout == 0:
+        recovery = RecoveryPolicy.disabled()
+    else:
+        recovery = RecoveryPolicy(timeout=timeout)
+    return recovery, SupervisionPolicy(restart=not getattr(args, "no_restart", False))
+
+
+def _link_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hop-delay-ms",
+        type=float,
+        default=0.0,
+        help="emulate a WAN link: deliver every lane frame this much later (default 0)",
+    )
+    p.add_argument(
+        "--bandwidth-mbps", type=float, default=None, help="emulate a link of this bandwidth"
+    )
+
+
+def _speculation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative",
+        default="off",
+        metavar="DRAFTER",
+        help="speculative decoding: off (default), ngram, draft-model or a drafter plugin",
+    )
+    p.add_argument("--depth", type=int, default=4, help="verify windows in flight (default 4)")
+    p.add_argument("--window", type=int, default=4, help="draft tokens per window (default 4)")
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="the draft model: a GGUF for draft-model, a URL for llama-server",
+    )
+    p.add_argument(
+        "--no-adaptive", action="store_true", help="keep window width and drafting fixed"
+    )
+
+
+def speculation_from_args(args: argparse.Namespace) -> SpeculationConfig | None:
+    """The speculation settings the options ask for (None when off)."""
+    if args.speculative == "off":
+        return None
+    return SpeculationConfig(
+        args.speculative,
+        depth=args.depth,
+        window=args.window,
+        adaptive=not args.no_adaptive,
+        draft_model=args.draft_model,
+    )
+
+
+def _sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stagerun", description="Run one language model split by layers across stages."
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--stages", type=int, default=1, help="number of stages (default 1)")
+    gen.add_argument("--layers", type=_layer_ranges, help="explicit ranges, e.g. 0:10,10:30")
+    gen.add_argument(
+        "--topology",
+        default=None,
+        metavar="FILE",
+        help="be stage 0 of the running stages listed in this TOML file (its model and layers)",
+    )
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    _add_pipeline_options(gen)
+    _reliability_options(gen)
+    _secret_option(gen)
+    _telemetry_options(gen)
+    _sampling_options(gen)
+    _speculation_options(gen)
+    _link_options(gen)
+
+    stage = sub.add_parser("stage", help="serve one stage (layers LO:HI) to upstream lanes")
+    stage.add_argument(
+        "--topology",
+        default=None,
+        metavar="FILE",
+        help="take model, layers, address, backend and downstream from entry --index of this "
+        "TOML file (see docs/deployment.md); explicit options still win",
+    )
+    stage.add_argument("--model", default=None, help="model name or GGUF path (default smollm2)")
+    stage.add_argument("--layers", type=_layer_range, default=None, help="LO:HI")
+    stage.add_argument("--index", type=int, default=1, help="this stage's index (>= 1)")
+    stage.add_argument("--host", default="127.0.0.1")
+    stage.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    stage.add_argument(
+        "--listen",
+        default=None,
+        help="address to serve on, e.g. ws://0.0.0.0:9001 (default tcp://HOST:PORT); the "
+        "scheme picks the transport plugin",
+    )
+    stage.add_argument("--backend", default=None, help="compute backend plugin (default numpy)")
+    stage.add_argument("--device", default=None, help="compute device for torch: cuda, cpu, ...")
+    stage.add_argument(
+        "--downstream",
+        default=None,
+        help="address of the next stage; ADDR,STANDBY,... tries standbys in order",
+    )
+    stage.add_argument("--threads", type=int, default=None)
+    stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
+    _link_options(stage)
+    _secret_option(stage)
+    _telemetry_options(stage)
+
+    bench = sub.add_parser("bench", help="measure throughput, side by side in one run")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    decode = bench_sub.add_parser("decode", help="decode tokens/s per stage count")
+    decode.add_argument("--stages", type=_stage_counts, default=[1, 2, 3])
+    decode.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
+    decode.add_argument("--rounds", type=int, default=3, help="interleaved rounds per config")
+    decode.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
+    decode.add_argument("--json", action="store_true")
+    _add_pipeline_options(decode)
+    spec = bench_sub.add_parser(
+        "speculative", help="plain vs depth 1 vs depth D on input-grounded prompts"
+    )
+    spec.add_argument("--stages", type=int, default=3)
+    spec.add_argument("--depth", type=int, default=4, help="the pipelined depth D (default 4)")
+    spec.add_argument("--window", type=int, default=4, help="draft tokens per window")
+    spec.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
+    spec.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
+    spec.add_argument(
+        "--hop-delays",
+        type=_delays,
+        default=None,
+        metavar="MS,MS,...",
+        help="sweep these hop delays, one pipeline each (instead of --hop-delay-ms)",
+    )
+    spec.add_argument("--json", action="store_true")
+    _png_option(spec, "tokens/s against hop delay")
+    _add_pipeline_options(spec)
+    _link_options(spec)
+
+    timeline = bench_sub.add_parser(
+        "timeline",
+        help="one speculative request traced on every stage: compute, write, wait, stale work",
+    )
+    timeline.add_argument("--stages", type=int, default=3)
+    timeline.add_argument("--depth", type=int, default=4, help="verify windows in flight")
+    timeline.add_argument("--window", type=int, default=4, help="draft tokens per window")
+    timeline.add_argument("--tokens", type=int, default=48, help="tokens generated")
+    timeline.add_argument(
+        "--prompt", choices=("repeat", "rewrite", "code-edit"), default="code-edit"
+    )
+    timeline.add_argument(
+        "--trace", default=None, metavar="PATH", help="keep the JSON-lines trace here"
+    )
+    timeline.add_argument("--json", action="store_true")
+    _png_option(timeline, "the timeline")
+    _add_pipeline_options(timeline)
+    _link_options(timeline)
+
+    sub.add_parser("models", help="list the models stagerun can find by name")
+
+    prefill = bench_sub.add_parser(
+        "prefill", help="time to first token: one unchunked prefill vs planned, pipelined chunks"
+    )
+    prefill.add_argument("--stages", type=_stage_counts, default=[2, 3])
+    prefill.add_argument("--prompt-tokens", type=int, default=1500)
+    prefill.add_argument("--hop-delay-ms", type=float, default=10.0)
+    prefill.add_argument("--rounds", type=int, default=3)
+    prefill.add_argument(
+        "--policies",
+        type=_transport_list,
+        default=("unchunked", "adaptive"),
+        help="prefill chunk policies to compare, the first is the baseline: unchunked, "
+        "adaptive or a size; POLICY/serial waits for each chunk's ack (default "
+        "unchunked,adaptive)",
+    )
+    prefill.add_argument("--json", action="store_true")
+    _add_pipeline_options(prefill)
+
+    load = bench_sub.add_parser(
+        "load", help="many concurrent clients against stagerun serve: completed, 429, lost"
+    )
+    load.add_argument("--requests", type=int, default=200)
+    load.add_argument("--clients", type=int, default=16)
+    load.add_argument("--max-tokens", type=int, default=24)
+    load.add_argument("--stages", type=int, default=3)
+    load.add_argument("--parallel", type=int, default=4, help="the server's --parallel")
+    load.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue")
+    load.add_argument("--model", default="smollm2")
+    load.add_argument("--json", action="store_true")
+
+    recovery = bench_sub.add_parser(
+        "recovery", help="kill -9 a stage mid-generation: detection, restart, replay times"
+    )
+    recovery.add_argument("--stages", type=int, default=3)
+    recovery.add_argument("--victim", type=int, default=1, help="stage to kill (default 1)")
+    recovery.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
+    recovery.add_argument("--kill-at", type=int, default=48, help="kill after this many tokens")
+    recovery.add_argument("--rounds", type=int, default=3)
+    recovery.add_argument("--json", action="store_true")
+    _add_pipeline_options(recovery)
+
+    transport = bench_sub.add_parser(
+        "transport", help="frame round trip and decode tokens/s per transport"
+    )
+    transport.add_argument(
+        "--compare",
+        dest="transports_to_compare",
+        type=_transport_list,
+        default=("tcp", "ws"),
+        help="transports to compare, the first is the baseline (default tcp,ws)",
+    )
+    transport.add_argument("--stages", type=int, default=3)
+    transport.add_argument("--tokens", type=int, default=64)
+    transport.add_argument("--rounds", type=int, default=5)
+    transport.add_argument("--iterations", type=int, default=2000, help="round trips timed")
+    transport.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
+    transport.add_argument("--json", action="store_true")
+    transport.add_argument("--model", default="smollm2")
+    transport.add_argument("--threads", type=int, default=None)
+    transport.add_argument("--inproc", action="store_true")
+
+    backends = bench_sub.add_parser(
+        "backends", help="decode tokens/s and verify-window cost per compute backend"
+    )
+    backends.add_argument(
+        "--compare",
+        dest="backends_to_compare",
+        type=_transport_list,
+        default=None,
+        help="backends to compare, the first is the baseline (default: all installed but fake)",
+    )
+    backends.add_argument("--rounds", type=int, default=7)
+    backends.add_argument("--threads", type=int, default=1, help="compute threads (default 1)")
+    backends.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
+    backends.add_argument("--model", default="smollm2")
+    backends.add_argument("--json", action="store_true")
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API over a pipeline")
+    serve.add_argument(
+        "--model",
+        default=None,
+        help="model name or GGUF path (default: smollm2, or the topology's)",
+    )
+    serve.add_argument("--stages", type=int, default=3, help="local stages to start (default 3)")
+    serve.add_argument("--topology", default=None, help="join the remote stages of a TOML file")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000, 0 = any)")
+    serve.add_argument(
+        "--parallel", type=int, default=4, help="requests generating at once = lanes (default 4)"
+    )
+    serve.add_argument(
+        "--max-queue", type=int, default=16, help="requests waiting before 429 (default 16)"
+    )
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="compute threads per stage (default: the cores split between local stages)",
+    )
+    serve.add_argument("--inproc", action="store_true", help="run all stages in this process")
+    _speculation_options(serve)
+    _link_options(serve)
+    _reliability_options(serve)
+    _secret_option(serve)
+    _telemetry_options(serve)
+    serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
+    _plugin_options(serve)
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
+        "(default: $STAGERUN_API_KEY)"
+    )  # fmt: skip
+    plugins_cmd = sub.add_parser(
+        "plugins", help="list installed transports, backends and drafters, and broken ones"
+    )
+    plugins_cmd.add_argument("--json", action="store_true")
+    plugins_cmd.add_argument(
+        "--load", action="store_true", help="import and validate every plugin now"
+    )
+    return parser
