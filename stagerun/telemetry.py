@@ -355,18 +355,26 @@ def configure_from_env(
     level = env.get("STAGERUN_TELEMETRY", "off").strip().lower() or "off"
     if level not in LEVELS:
         raise ValueError(f"STAGERUN_TELEMETRY={level!r}; use one of {', '.join(LEVELS)}")
-    sinks: list[Sink] = []
-    target = env.get("STAGERUN_TELEMETRY_JSONL")
-    if target:
-        sinks.append(JsonLinesSink(target))
-    if env.get("STAGERUN_TELEMETRY_OTEL", "") not in ("", "0"):
-        sinks.append(OpenTelemetrySink())
-    if level != "off" and not sinks:
-        sinks.append(JsonLinesSink("stderr"))
     try:
         capacity = int(env.get("STAGERUN_TELEMETRY_QUEUE", str(DEFAULT_QUEUE_CAPACITY)))
     except ValueError:
         raise ValueError("STAGERUN_TELEMETRY_QUEUE must be a whole number of records") from None
-    telemetry = Telemetry(level, sinks, capacity=capacity, common=common)
+    sinks: list[Sink] = []
+    if level != "off":  # off opens nothing (a sink holds a file until the drain task closes it)
+        try:
+            target = env.get("STAGERUN_TELEMETRY_JSONL")
+            if target:
+                sinks.append(JsonLinesSink(target))
+            if env.get("STAGERUN_TELEMETRY_OTEL", "") not in ("", "0"):
+                sinks.append(OpenTelemetrySink())
+            if not sinks:
+                sinks.append(JsonLinesSink("stderr"))
+            telemetry = Telemetry(level, sinks, capacity=capacity, common=common)
+        except BaseException:
+            for sink in sinks:
+                sink.close()
+            raise
+    else:
+        telemetry = Telemetry(level, capacity=capacity, common=common)
     set_current(telemetry)
     return telemetry

@@ -160,9 +160,8 @@ async def test_verify_window_spans(
         assert attrs["llama_stage.verify_window_token_count"] >= 1
         assert attrs["llama_stage.verify_window_accepted"] >= 0
         assert isinstance(attrs["llama_stage.verify_window_cancelled"], bool)
-        assert (
-            attrs["llama_stage.verify_window_stale"] >= attrs["llama_stage.verify_window_cancelled"]
-        )
+        if attrs["llama_stage.verify_window_stale"]:  # wasted: nothing of it was accepted
+            assert attrs["llama_stage.verify_window_accepted"] == 0
     ids = {w.attributes["llama_stage.verify_window_id"] for w in windows}
     assert len(ids) == len(windows)
     # each window's compute on every stage names it, so wasted work can be attributed
@@ -276,35 +275,52 @@ async def test_the_drain_task_writes_while_running_and_flushes_at_the_end() -> N
     assert [r.name for r in sink.records] == ["a", "b"]
 
 
-def test_processes_sharing_a_trace_file_never_tear_lines(tmp_path: pathlib.Path) -> None:
-    """Stage 0 and its stage processes append to one file; each drain is one whole write."""
-    import threading
+def test_a_trace_file_gets_each_drain_in_one_append(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 0 and its stage processes append to one file: a drain is one O_APPEND write of
+    whole lines, which no other process's append can land inside."""
+    import os
 
     path = tmp_path / "trace.jsonl"
-    writers = [telemetry.Telemetry("summary", [telemetry.JsonLinesSink(str(path))],
-                                   capacity=10_000) for _ in range(4)]  # fmt: skip
+    path.write_text('{"earlier": "line"}\n')
+    sink = telemetry.JsonLinesSink(str(path))
+    writes: list[int] = []
+    real_write = os.write
 
-    def write(tel: telemetry.Telemetry) -> None:
-        for batch in range(20):
-            for i in range(200):
-                tel.event("stagerun.test", {"llama_stage.seq_id": batch * 200 + i,
-                                            "stagerun.padding": "x" * 200})  # fmt: skip
-            tel.flush()  # a drain of 200 records, ~60 KB: larger than any stream buffer
+    def counting_write(fd: int, data: bytes) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
 
-    threads = [threading.Thread(target=write, args=(tel,)) for tel in writers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    for tel in writers:
-        tel.sinks[0].close()
+    monkeypatch.setattr(os, "write", counting_write)
+    tel = telemetry.Telemetry("summary", [sink], capacity=1000)
+    for i in range(500):
+        tel.event("stagerun.test", {"llama_stage.seq_id": i, "stagerun.padding": "x" * 200})
+    tel.flush()  # ~150 KB: far past any stream buffer
+    sink.close()
+    assert len(writes) == 1 and writes[0] > 100_000
     lines = path.read_text().splitlines()
-    assert len(lines) == 4 * 20 * 200
-    runs = {}
-    for line in lines:
-        record = json.loads(line)  # a torn line would not parse
-        runs.setdefault(record["attributes"]["stagerun.run_id"], []).append(
-            record["attributes"]["llama_stage.seq_id"]
+    assert lines[0] == '{"earlier": "line"}'  # appended, not overwritten
+    seqs = [json.loads(line)["attributes"]["llama_stage.seq_id"] for line in lines[1:]]
+    assert seqs == list(range(500))
+
+
+def test_configuring_telemetry_leaves_no_file_open(tmp_path: pathlib.Path) -> None:
+    import os
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    path = str(tmp_path / "t.jsonl")
+    before = open_fds()
+    for _ in range(20):
+        telemetry.configure_from_env(
+            {"STAGERUN_TELEMETRY": "off", "STAGERUN_TELEMETRY_JSONL": path}
         )
-    assert sorted(len(seqs) for seqs in runs.values()) == [4000] * 4
-    assert all(seqs == sorted(seqs) for seqs in runs.values())
+        with pytest.raises(ValueError, match="whole number"):
+            telemetry.configure_from_env(
+                {"STAGERUN_TELEMETRY": "debug", "STAGERUN_TELEMETRY_JSONL": path,
+                 "STAGERUN_TELEMETRY_QUEUE": "many"}
+            )  # fmt: skip
+    telemetry.set_current(telemetry.Telemetry("off"))
+    assert open_fds() == before
