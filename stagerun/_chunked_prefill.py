@@ -85,10 +85,14 @@ async def send_prefill(
     its ack comes first, and a stage's refusal of it arrives here as `StageError`.
     """
 
+    configure_wait = 0.0  # seconds this chunk spent on Configure's ack: not downstream wait
+
     async def next_ack() -> _proto.StageStats:
-        nonlocal configure_owed
+        nonlocal configure_owed, configure_wait
         if configure_owed:
+            asked = time.perf_counter()
             await lane.receive_ack()
+            configure_wait = time.perf_counter() - asked
             configure_owed = False
         return (await lane.receive_ack()).stats
 
@@ -121,6 +125,7 @@ async def send_prefill(
             wire_dtype,
         )
         written = time.perf_counter()
+        configure_wait = 0.0
         if not last:
             pending += 1
             while pending >= credit:
@@ -130,7 +135,7 @@ async def send_prefill(
         chunk = PrefillChunkObservation(
             compute_ms=(computed - started) * 1000.0,
             forward_write_ms=(written - computed) * 1000.0,
-            downstream_wait_ms=(waited - written) * 1000.0,
+            downstream_wait_ms=(waited - written - configure_wait) * 1000.0,
         )
         planner.observe(chunk)
         report.add(len(piece), chunk)

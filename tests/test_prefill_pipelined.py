@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
+import trio
 
-from stagerun import open_pipeline
+from stagerun import _proto, open_pipeline
+from stagerun._chunked_prefill import PrefillReport, send_prefill
+from stagerun._errors import StageError
+from stagerun._proto._prefill import parse_chunk_policy
 
 PROMPT_IDS = [(i * 37) % 270 + 3 for i in range(420)]  # a 420-token prompt (tiny vocab: 279)
 
@@ -55,3 +61,68 @@ async def test_a_short_prompt_is_one_chunk(tiny_model_path: pathlib.Path) -> Non
     async with open_pipeline(tiny_model_path, stages=2) as pipeline:
         await pipeline.complete(PROMPT_IDS[:200], max_tokens=2)
         assert pipeline.last_prefill is not None and pipeline.last_prefill.sizes == [200]
+
+
+class FakeLane:
+    """A chain that acknowledges every chunk at once, and answers ``Configure`` as told."""
+
+    def __init__(self, configure_reply: object, configure_delay: float = 0.0) -> None:
+        self.replies: list[object] = [configure_reply]
+        self.configure_delay = configure_delay
+        self.acks_read = 0
+
+    async def send(self, message: object, activations: object = None, dtype: str = "f32") -> None:
+        if isinstance(message, _proto.Prefill) and not message.predict:
+            self.replies.append(_proto.Ack(request_id=1, stats=_proto.StageStats(stage_count=2)))
+
+    async def receive_ack(self) -> _proto.Ack:
+        if self.acks_read == 0:
+            await trio.sleep(self.configure_delay)  # the chain's round trip for Configure
+        self.acks_read += 1
+        reply = self.replies.pop(0)
+        if isinstance(reply, _proto.Error):
+            raise StageError(f"stage {reply.stage_index}: {reply.message}")
+        assert isinstance(reply, _proto.Ack)
+        return reply
+
+
+async def _send(lane: FakeLane, tokens: int, credit: int) -> PrefillReport:
+    async def compute0(position: int, piece: Sequence[int]) -> np.ndarray:  # type: ignore[type-arg]
+        return np.zeros((len(piece), 4), np.float32)
+
+    return await send_prefill(
+        lane,  # type: ignore[arg-type]
+        1,
+        list(range(tokens)),
+        compute0=compute0,
+        policy=parse_chunk_policy("100"),
+        credit=credit,
+        wire_dtype="f32",
+        estimate=None,
+        configure_owed=True,
+    )
+
+
+CONFIGURED = _proto.Ack(request_id=1, stats=_proto.StageStats(stage_count=2))
+REFUSED = _proto.Error(request_id=1, stage_index=2, message="no return connection for this lane")
+
+
+@pytest.mark.parametrize(("tokens", "credit"), [(100, 3), (300, 1), (300, 2), (300, 8)])
+async def test_the_configure_ack_is_read_before_the_chunks_acks(tokens: int, credit: int) -> None:
+    lane = FakeLane(CONFIGURED)
+    report = await _send(lane, tokens, credit)
+    assert report.chunks == tokens // 100
+    assert lane.acks_read == 1 + report.chunks - 1 and not lane.replies  # nothing left unread
+
+
+@pytest.mark.parametrize(("tokens", "credit"), [(100, 3), (300, 1), (300, 8)])
+async def test_a_refused_configure_fails_the_prefill(tokens: int, credit: int) -> None:
+    """Refused while chunks are still going down (credit 1) or at the final drain."""
+    with pytest.raises(StageError, match="no return connection"):
+        await _send(FakeLane(REFUSED), tokens, credit)
+
+
+async def test_waiting_for_configure_is_not_counted_as_a_chunks_downstream_wait() -> None:
+    lane = FakeLane(CONFIGURED, configure_delay=0.2)
+    report = await _send(lane, 300, credit=1)  # chunk 0 waits: first for Configure's ack
+    assert report.max_wait_ms < 100, report  # the planner would read 200 ms as exposed wait
