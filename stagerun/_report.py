@@ -102,7 +102,8 @@ def request_timeline(records: Iterable[Record], request_id: int | None = None) -
     """Build the timeline of ``request_id`` (default: the last request that finished).
 
     A request that recovered onto a new lane (see docs/reliability.md) carries a new id from
-    then on: its timeline is the stretch under the id its summary names, the last one.
+    then on: its timeline is the stretch under the id its summary names, the last one, and
+    starts where that stretch does.
 
     Raises:
         ValueError: the trace has no finished request, or lacks the ``debug`` spans.
@@ -149,8 +150,18 @@ def request_timeline(records: Iterable[Record], request_id: int | None = None) -
         raise ValueError(
             f"request {request_id} has no compute spans: record the trace at the debug level"
         )
-    # How long the request was open on each stage: stage 0's summary, the stages' own.
-    extents = {0: (ms(summary.start_ns), ms(summary.end_ns))}
+    # How long the request was open on each stage: stage 0's summary, the stages' own. After
+    # a recovery, stage 0's row starts at the first record under the final id: what came
+    # before (the failed lane, detection, backoff) belongs to ids this timeline doesn't show.
+    begin0 = summary.start_ns
+    if summary.attributes.get("llama_stage.recoveries", 0):
+        spanning = ("stage.openai_generation_summary", "stage.openai_decode")
+        begin0 = min(
+            (r.start_ns for r in mine
+             if r.name not in spanning and r.attributes.get(_STAGE, 0) == 0),
+            default=begin0,
+        )  # fmt: skip
+    extents = {0: (ms(begin0), ms(summary.end_ns))}
     for r in mine:
         if r.name == "stage.binary_request_summary" and isinstance(r.attributes.get(_STAGE), int):
             extents[r.attributes[_STAGE]] = (ms(r.start_ns), ms(r.end_ns))

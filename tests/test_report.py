@@ -56,6 +56,16 @@ def test_the_timeline_splits_each_stage_into_compute_write_wait_and_stale() -> N
     assert waits == [(5, 25), (35, 45), (48, 95)]
 
 
+def test_a_recovered_request_is_drawn_from_where_its_final_id_begins() -> None:
+    records = two_stage_request()
+    summary = records[0]
+    records[0] = Record(summary.name, summary.start_ns, summary.end_ns,
+                        {**summary.attributes, "llama_stage.recoveries": 1})  # fmt: skip
+    stage0 = request_timeline(records).totals()[0]
+    # the first record under the final id is stage 0's compute at 10 ms: no wait before it
+    assert stage0 == {"compute": 10, "write": 2, "wait": 68, "stale": 10}
+
+
 def test_the_timeline_picks_one_request_out_of_a_shared_trace() -> None:
     later = [
         Record(r.name, r.start_ns + 500 * MS, r.end_ns + 500 * MS, r.attributes)
@@ -140,3 +150,14 @@ def test_without_matplotlib_a_png_is_refused_before_measuring(
     assert "pip install 'stagerun[plot]'" in err
     assert "tracing" not in err  # nothing was started
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_sweep_refuses_what_it_would_otherwise_ignore(
+    tiny_model_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["bench", "speculative", "--inproc", "--model", str(tiny_model_path)]
+    with pytest.raises(SystemExit):
+        main([*base, "--hop-delays", "0,nan"])
+    assert "hop delays must be milliseconds" in capsys.readouterr().err
+    assert main([*base, "--hop-delays", "0,5", "--hop-delay-ms", "10"]) == 2
+    assert "either --hop-delay-ms or --hop-delays" in capsys.readouterr().err

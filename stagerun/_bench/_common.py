@@ -36,6 +36,7 @@ def bench_pipeline(
         "backend": args.backend,
         "backends": args.backends,
         "device": args.device,
+        "bandwidth_mbps": getattr(args, "bandwidth_mbps", None),
     }
     settings.update(options)
     return open_pipeline(args.model, **settings)

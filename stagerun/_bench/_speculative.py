@@ -43,6 +43,8 @@ async def bench_speculative(args: argparse.Namespace) -> int:
     With ``--hop-delays`` the comparison runs once per delay (a pipeline each; the ratios are
     side by side within each delay) and ``--png`` draws tokens/s against the delay.
     """
+    if args.hop_delays and args.hop_delay_ms:
+        raise ValueError("give either --hop-delay-ms or --hop-delays, not both")
     delays: list[float] = args.hop_delays or [args.hop_delay_ms]
     if args.png:
         from .._report import require_matplotlib
