@@ -3,13 +3,9 @@
 Theory of operation: every accepted connection is one task under the server's nursery. A
 connection opens with the handshake; its role says what it is:
 
-* ``LANE``: one hop of a chain. The task reads frames from upstream in order and carries each
-  out: compute through the backend (in a worker thread, one compute at a time per stage), then
-  either forward the activations downstream (middle stages; the downstream connection is
-  opened on the first message) or, on the last stage, sample and send ``Predictions`` over the
-  chain's return connection. A message that expects an ``Ack`` is forwarded and the worker
-  moves on; a relay task acknowledges upstream when the downstream acknowledges, merging this
-  stage's stats, so prefill chunks stream through the stages.
+* ``LANE``: one hop of a chain, carried out in order by a `stagerun._stage_lane.LaneWorker`:
+  compute through the backend (in a worker thread, one compute at a time per stage), then
+  forward downstream or, on the last stage, sample and reply over the return connection.
 * ``RETURN``: stage 0's return connection for one chain, parked under its key until a
   ``Configure`` with that key binds it (last stage only).
 
@@ -22,34 +18,22 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from collections import deque
 from typing import Any, Protocol
 
-import attrs
 import numpy as np
 import trio
 
-from . import _proto, plugins, telemetry
+from . import _proto, plugins
 from ._auth import SECRET_FILE_ENV, is_loopback, lane_secret
-from ._errors import (
-    ComputeCancelled,
-    LaneError,
-    LaneHandshakeError,
-    ProtocolError,
-    StageError,
-    StagerunError,
-)
+from ._errors import LaneError, LaneHandshakeError, StageError
 from ._framed import NO_EMULATION, FrameStream, LinkEmulation, server_handshake
-from ._lanes import ENV_SECRET, EnvSecret, alternatives, open_connection, stage_reply_timeout
-from ._sampling import sample_rows
-from .telemetry import now_ns
+from ._lanes import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
+from ._stage_lane import LaneWorker
 from .transports import parse_address
 
 log = logging.getLogger("stagerun.stage")
 
 SINK_WAIT_SECONDS = 5.0
-DOWNSTREAM_CONNECT_SECONDS = 30.0
 
 
 class KVCache(Protocol):
@@ -83,25 +67,6 @@ class Backend(Protocol):
         logits: Any = "last",
         should_stop: Any = None,
     ) -> np.ndarray[Any, Any]: ...
-
-
-@attrs.define
-class Session:
-    """One request's state on one stage."""
-
-    cache: Any
-    sampling: _proto.SamplingParams
-    prompt_len: int
-    started_ns: int = attrs.field(factory=now_ns)
-    messages: int = 0
-    computes: int = 0
-    tokens: int = 0
-    compute_us: int = 0
-    forward_write_us: int = 0
-
-
-def _us_since(start: float) -> int:
-    return int((time.perf_counter() - start) * 1e6)
 
 
 class StageServer:
@@ -205,7 +170,7 @@ class StageServer:
         else:
             self.lanes_open += 1
             try:
-                await _LaneTask(self, framed).run()
+                await LaneWorker(self, framed).run()
             except Exception:
                 # A bug in one lane must not take the stage down: that lane is closed (its
                 # chain collapses and stage 0 replaces it); the other lanes carry on.
@@ -243,393 +208,6 @@ class StageServer:
             return await trio.to_thread.run_sync(fn)
 
 
-@attrs.frozen
-class _OwedAck:
-    """An ``Ack`` this stage owes upstream once the downstream acknowledges ``request_id``."""
-
-    request_id: int
-    stats: _proto.StageStats
-    sent: float  # when the message went downstream (perf_counter)
-
-
-class _LaneTask:
-    """Carries out the frames of one upstream lane connection, in order.
-
-    A reader task takes frames off the connection as they arrive and queues them; the worker
-    carries them out one at a time. Reading ahead is what makes cancellation cheap: a
-    ``Cancel`` is applied the moment it is read, so stale windows still in the queue are
-    dropped unseen and a stale window being computed stops at its next layer boundary.
-    """
-
-    def __init__(self, server: StageServer, upstream: FrameStream) -> None:
-        self.server = server
-        self.up = upstream
-        self.down: FrameStream | None = None
-        self.sink: FrameStream | None = None
-        self.sessions: dict[int, Session] = {}
-        self._queue: deque[_proto.Frame] = deque()
-        self._wakeup = trio.Event()
-        self._upstream_closed = False
-        self._cancelled: dict[int, set[int]] = {}  # request id -> cancelled window ids
-        self._replied: dict[int, set[int]] = {}  # last stage: windows already answered
-        # Acks owed upstream, in order: the downstream acks them first (see _relay_acks).
-        self._owed: deque[_OwedAck] = deque()
-        self._nursery: trio.Nursery | None = None
-
-    async def run(self) -> None:
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                nursery.start_soon(self._read_upstream)
-                await self._work()
-                nursery.cancel_scope.cancel()
-        except LaneError as exc:
-            if isinstance(exc.__cause__, ProtocolError):
-                self.server.protocol_errors += 1
-            log.info("stage %d: lane from %s ended: %s", self.server.index, self.up.peer, exc)
-        finally:
-            self.sessions.clear()
-            with trio.CancelScope(shield=True):
-                if self.down is not None:
-                    await self.down.aclose_forcefully()
-                if self.sink is not None:
-                    await self.sink.aclose_forcefully()
-                await self.up.aclose_forcefully()
-
-    async def _read_upstream(self) -> None:
-        try:
-            while True:
-                started = now_ns()
-                frame = await self.up.receive()
-                tel = telemetry.current()
-                if tel.debug_enabled:
-                    tel.debug_span(
-                        "stage.binary_recv",
-                        started,
-                        {
-                            "llama_stage.stage_index": self.server.index,
-                            "llama_stage.message_kind": frame.message.kind,
-                            "llama_stage.request_id": frame.message.request_id,
-                        },
-                    )
-                if isinstance(frame.message, _proto.Cancel):
-                    self._apply_cancel(frame.message)
-                self._queue.append(frame)
-                self._wakeup.set()
-        except LaneError as exc:  # upstream went away: the chain is over once the queue is done
-            if isinstance(exc.__cause__, ProtocolError):
-                self.server.protocol_errors += 1
-                log.info("stage %d: %s", self.server.index, exc)
-        finally:
-            self._upstream_closed = True
-            self._wakeup.set()
-
-    async def _work(self) -> None:
-        while True:
-            while not self._queue:
-                if self._upstream_closed:
-                    return
-                self._wakeup = trio.Event()
-                await self._wakeup.wait()
-            await self._dispatch(self._queue.popleft())
-
-    def _apply_cancel(self, cancel: _proto.Cancel) -> None:
-        cancelled = self._cancelled.setdefault(cancel.request_id, set())
-        cancelled.update(cancel.window_ids)
-        kept: deque[_proto.Frame] = deque()
-        for frame in self._queue:
-            if self._is_cancelled(frame.message):
-                self.server.stale_dropped += 1
-            else:
-                kept.append(frame)
-        self._queue = kept
-
-    def _is_cancelled(self, message: _proto.Message) -> bool:
-        return isinstance(message, _proto.Verify) and message.window_id in self._cancelled.get(
-            message.request_id, ()
-        )
-
-    async def _downstream(self, *, fresh_session: bool = False) -> FrameStream:
-        """The next hop; opened on first use.
-
-        At the start of a request (``fresh_session``) a downstream connection that died while
-        the lane was idle (the next stage restarted, say) is replaced: no state is lost,
-        since the request has none yet. Mid-request a broken hop stays broken.
-        """
-        if self.down is not None and fresh_session and not self.down.is_live():
-            await self.down.aclose_forcefully()
-            self.down = None
-        if self.down is None:
-            assert self.server.downstream is not None
-            self.down = await _connect_with_retry(self.server.downstream, self.server.link)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._relay_acks, self.down)
-        return self.down
-
-    async def _dispatch(self, frame: _proto.Frame) -> None:
-        message = frame.message
-        match message:
-            case _proto.Configure():
-                if self.server.is_last:
-                    try:
-                        self.sink = await self.server.take_sink(message.return_key)
-                    except StageError as exc:
-                        # No session: the prefill stage 0 sent right behind is refused too.
-                        await self._fail(message.request_id, str(exc), upstream=True)
-                        return
-                self.sessions[message.request_id] = Session(
-                    cache=self.server.backend.new_cache(),
-                    sampling=message.sampling,
-                    prompt_len=message.prompt_len,
-                )
-                await self._relay_ack(message, _proto.StageStats(stage_count=1), fresh_session=True)
-            case _proto.Prefill() | _proto.Decode() | _proto.Verify():
-                await self._forward_pass(message, frame.activations)
-            case _proto.Trim():
-                session = self.sessions.get(message.request_id)
-                if session is not None:
-                    session.cache.trim(message.position)
-                await self._relay_ack(message, _proto.StageStats(stage_count=1))
-            case _proto.Stop():
-                ended = self.sessions.pop(message.request_id, None)
-                if ended is not None:
-                    self._summarize(message.request_id, ended)
-                self._cancelled.pop(message.request_id, None)
-                self._replied.pop(message.request_id, None)
-                await self._relay_ack(message, _proto.StageStats(stage_count=1))
-            case _proto.Cancel():
-                await self._cancel(message)
-            case _:
-                raise LaneError(f"{type(message).__name__} is not a request a stage accepts")
-
-    def _compute_attributes(
-        self, message: _proto.Prefill | _proto.Decode | _proto.Verify
-    ) -> dict[str, Any]:
-        """What the debug spans of one computed message say of it (ids, positions, counts)."""
-        attributes: dict[str, Any] = {
-            "llama_stage.stage_index": self.server.index,
-            "llama_stage.message_kind": message.kind,
-            "llama_stage.request_id": message.request_id,
-            "llama_stage.pos_start": message.position,
-            "llama_stage.token_count": len(message.tokens),
-        }
-        if isinstance(message, _proto.Verify):
-            attributes["llama_stage.verify_window_id"] = message.window_id
-        return attributes
-
-    def _summarize(self, request_id: int, session: Session) -> None:
-        telemetry.current().span(
-            "stage.binary_request_summary",
-            session.started_ns,
-            {
-                "llama_stage.stage_index": self.server.index,
-                "llama_stage.request_id": request_id,
-                "llama_stage.message_count": session.messages,
-                "llama_stage.computes": session.computes,
-                "llama_stage.token_count": session.tokens,
-                "llama_stage.compute_ms": session.compute_us / 1000.0,
-                "llama_stage.forward_write_ms": session.forward_write_us / 1000.0,
-                "llama_stage.stale_dropped": self.server.stale_dropped,
-                "llama_stage.stale_stopped": self.server.stale_stopped,
-            },
-        )
-
-    async def _cancel(self, message: _proto.Cancel) -> None:
-        if not self.server.is_last:
-            await (await self._downstream()).send(message, timeout=self.server.reply_timeout)
-            return
-        replied = self._replied.get(message.request_id, set())
-        unanswered = tuple(w for w in message.window_ids if w not in replied)
-        if self.sink is not None:
-            await self.sink.send(
-                _proto.Cancelled(
-                    request_id=message.request_id, epoch=message.epoch, window_ids=unanswered
-                ),
-                timeout=self.server.reply_timeout,
-            )
-
-    async def _relay_ack(
-        self, message: _proto.Message, own: _proto.StageStats, *, fresh_session: bool = False
-    ) -> None:
-        if self.server.is_last:
-            await self.up.send(_proto.Ack(request_id=message.request_id, stats=own))
-            return
-        try:
-            down = await self._downstream(fresh_session=fresh_session)
-            await down.send(message, timeout=self.server.reply_timeout)
-        except LaneError as exc:
-            await self._fail(
-                message.request_id, f"downstream stage unreachable: {exc}", upstream=True
-            )
-            raise
-        self._owed.append(_OwedAck(message.request_id, own, time.perf_counter()))
-
-    async def _relay_acks(self, down: FrameStream) -> None:
-        """Acknowledge upstream as the downstream acknowledges, merging this stage's stats.
-
-        The worker never waits for a downstream ``Ack``: it forwards and moves on to the next
-        frame, so a prefill chunk computes here while the one before it computes further down
-        (stage 0 keeps a bounded number of chunks unacknowledged). Acks come back in the order
-        the messages went down; ``Error`` replies travel up unchanged. A broken downstream ends
-        the lane, and so the break travels up the chain.
-        """
-        server = self.server
-        while True:
-            try:
-                reply = (await down.receive()).message
-            except LaneError as exc:
-                if down is self.down:
-                    log.info("stage %d: downstream %s ended: %s", server.index, down.peer, exc)
-                    assert self._nursery is not None
-                    self._nursery.cancel_scope.cancel()
-                return  # else the hop was replaced at the start of a request
-            owed = self._owed.popleft() if self._owed else None
-            if isinstance(reply, _proto.Ack) and owed is not None:
-                wait_us = _us_since(owed.sent)
-                own = owed.stats
-                if own.slowest_tokens:  # a prefill chunk: this stage's edge is this hop
-                    own = attrs.evolve(
-                        own,
-                        edge_write_us=own.forward_write_us,
-                        edge_wait_us=wait_us,
-                        edge_stage=server.index,
-                    )
-                stats = own.merge(reply.stats)
-                stats = attrs.evolve(stats, downstream_wait_us=stats.downstream_wait_us + wait_us)
-                await self.up.send(_proto.Ack(request_id=owed.request_id, stats=stats))
-            else:
-                await self.up.send(reply)  # an Error from further down, unchanged
-
-    async def _forward_pass(
-        self,
-        message: _proto.Prefill | _proto.Decode | _proto.Verify,
-        activations: np.ndarray[Any, Any] | None,
-    ) -> None:
-        server = self.server
-        wants_predictions = not isinstance(message, _proto.Prefill) or message.predict
-        # Failures go where stage 0 is listening: the return path for predictions from the
-        # last stage, upstream otherwise.
-        fail_upstream = not (wants_predictions and server.is_last)
-        session = self.sessions.get(message.request_id)
-        if session is None:
-            await self._fail(
-                message.request_id,
-                f"request {message.request_id} was not configured on this lane",
-                upstream=fail_upstream,
-            )
-            return
-        if self._is_cancelled(message):
-            server.stale_dropped += 1  # cancelled before this stage got to it
-            return
-        backend = server.backend
-        tokens = np.asarray(message.tokens, dtype=np.int64)
-        rows: str = "all" if isinstance(message, _proto.Verify) else "last"
-        should_stop = (lambda: self._is_cancelled(message)) if rows == "all" else None
-
-        def run() -> np.ndarray[Any, Any]:
-            return backend.forward(
-                session.cache,
-                message.position,
-                tokens=tokens if backend.is_first else None,
-                hidden=None if backend.is_first else activations,
-                logits=rows,
-                should_stop=should_stop,
-            )
-
-        start = time.perf_counter()
-        try:
-            out = await server.compute(run)
-        except ComputeCancelled:
-            server.stale_stopped += 1  # went stale while computing; stopped at a layer
-            tel = telemetry.current()
-            if tel.debug_enabled:
-                tel.debug_span(
-                    "stage.binary_llama_decode",
-                    now_ns() - _us_since(start) * 1000,
-                    {
-                        **self._compute_attributes(message),
-                        "llama_stage.compute_stopped": True,
-                        "llama_stage.elapsed_ms": _us_since(start) / 1000.0,
-                    },
-                )
-            return
-        except (ValueError, StagerunError) as exc:
-            await self._fail(message.request_id, f"compute failed: {exc}", upstream=fail_upstream)
-            return
-        compute_us = _us_since(start)
-        session.messages += 1
-        session.computes += 1
-        session.tokens += len(message.tokens)
-        session.compute_us += compute_us
-        tel = telemetry.current()
-        if tel.debug_enabled:
-            tel.debug_span(
-                "stage.binary_llama_decode",
-                now_ns() - compute_us * 1000,
-                {
-                    **self._compute_attributes(message),
-                    "llama_stage.elapsed_ms": compute_us / 1000.0,
-                },
-            )
-        stats = _proto.StageStats(
-            compute_us=compute_us, stage_count=1, token_count=len(message.tokens)
-        )
-        if isinstance(message, _proto.Prefill):
-            stats = attrs.evolve(
-                stats,
-                slowest_compute_us=compute_us,
-                slowest_tokens=len(message.tokens),
-                slowest_stage=server.index,
-            )
-        if not server.is_last:
-            down = await self._downstream()
-            write_start = time.perf_counter()
-            await down.send(message, out, server.wire_dtype, timeout=server.reply_timeout)
-            write_us = _us_since(write_start)
-            session.forward_write_us += write_us
-            stats = attrs.evolve(stats, forward_write_us=write_us)
-            if tel.debug_enabled:
-                tel.debug_span(
-                    "stage.binary_downstream_write",
-                    now_ns() - write_us * 1000,
-                    {
-                        **self._compute_attributes(message),
-                        "llama_stage.forward_activation_bytes": int(out.nbytes),
-                        "llama_stage.elapsed_ms": write_us / 1000.0,
-                    },
-                )
-            if not wants_predictions:
-                self._owed.append(_OwedAck(message.request_id, stats, time.perf_counter()))
-            return
-        if not wants_predictions:
-            await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))
-            return
-        last_position = message.position + (len(message.tokens) - out.shape[0])
-        predicted = sample_rows(out, session.sampling, last_position + 1)
-        if isinstance(message, _proto.Verify):
-            self._replied.setdefault(message.request_id, set()).add(message.window_id)
-        assert self.sink is not None, "the last stage binds its return connection at Configure"
-        await self.sink.send(
-            _proto.Predictions(
-                request_id=message.request_id,
-                window_id=getattr(message, "window_id", 0),
-                position=message.position,
-                tokens=tuple(predicted),
-                stats=stats,
-            ),
-            timeout=server.reply_timeout,
-        )
-
-    async def _fail(self, request_id: int, text: str, *, upstream: bool) -> None:
-        """Report a failure to stage 0: upstream for acked work, else on the return path."""
-        error = _proto.Error(
-            request_id=request_id, stage_index=self.server.index, message=text[:4000]
-        )
-        log.warning("stage %d: %s", self.server.index, text)
-        target = self.up if upstream or self.sink is None else self.sink
-        await target.send(error, timeout=self.server.reply_timeout)
-
-
 def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
     """Warn when a stage without a lane secret listens beyond this machine."""
     if secret is not None:
@@ -646,24 +224,6 @@ def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
             address,
             SECRET_FILE_ENV,
         )
-
-
-async def _connect_with_retry(address: str, link: LinkEmulation) -> FrameStream:
-    """Open the downstream hop, retrying while the next stage is still starting."""
-    deadline = trio.current_time() + DOWNSTREAM_CONNECT_SECONDS
-    while True:
-        try:
-            return await open_connection(
-                address,
-                role=_proto.Role.LANE,
-                connect_timeout=2.0,
-                ready_timeout=10.0,
-                link=link,
-            )
-        except LaneHandshakeError:
-            if trio.current_time() >= deadline:
-                raise
-            await trio.sleep(0.1)
 
 
 async def serve_stage(
