@@ -21,13 +21,8 @@ from . import _proto, plugins
 from ._errors import StageError
 from ._framed import LinkEmulation
 from ._lanes import LanePool
-from ._pipeline import (
-    DEFAULT_PREFILL_CHUNK,
-    DEFAULT_PREFILL_CREDIT,
-    Pipeline,
-    RecoveryPolicy,
-    StageInfo,
-)
+from ._pipeline import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CREDIT, Pipeline
+from ._pipeline_values import RecoveryPolicy, StageInfo
 from ._proto._prefill import ChunkPolicy
 from ._speculative import SpeculationConfig
 from ._stage import serve_stage

@@ -164,7 +164,7 @@ def _reliability_options(p: argparse.ArgumentParser) -> None:
 
 def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RecoveryPolicy, SupervisionPolicy) for ``--recovery-timeout`` and ``--no-restart``."""
-    from ._pipeline import RecoveryPolicy
+    from ._pipeline_values import RecoveryPolicy
     from ._supervise import SupervisionPolicy
 
     timeout = getattr(args, "recovery_timeout", None)

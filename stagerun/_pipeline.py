@@ -15,7 +15,6 @@ decoding goes through pipelined verify windows instead (`stagerun._speculative`)
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -30,6 +29,15 @@ from . import _proto, plugins, telemetry
 from ._chunked_prefill import PrefillReport, send_prefill
 from ._errors import LaneError, RecoveryFailedError, StageError
 from ._lanes import Lane, LanePool, open_connection
+from ._pipeline_values import (
+    Completion,
+    DrafterContext,
+    GenerationStream,
+    RecoveryPolicy,
+    StageHealth,
+    StageInfo,
+    TokenChunk,
+)
 from ._proto._prefill import (
     AdaptiveRamp,
     ChunkPolicy,
@@ -48,108 +56,6 @@ DEFAULT_PREFILL_CHUNK = "adaptive"
 DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowledged
 
 log = logging.getLogger("stagerun.pipeline")
-
-
-@attrs.frozen
-class RecoveryPolicy:
-    """How a request survives a lane that breaks under it (see docs/reliability.md).
-
-    When a lane fails mid-request (a stage killed, a connection reset, a reply timeout), stage
-    0 waits ``backoff`` seconds (doubling up to ``max_backoff``), checks out a fresh lane --
-    which reaches the restarted stage -- and replays the committed tokens (prompt plus
-    everything already generated) as a prefill to rebuild every KV cache; decoding then goes
-    on where it stopped, and the caller sees one uninterrupted stream. Sampling depends only
-    on the seed and the position, so the continuation is the one the request would have had.
-
-    Args:
-        max_breaks: lane failures one request survives; the next one fails it.
-        timeout: seconds one recovery may take (waiting for the stage included) before the
-            request fails with `RecoveryFailedError`. Default
-            ``$STAGERUN_RECOVERY_TIMEOUT_SECS`` or 60.
-        backoff: first wait between attempts, in seconds.
-        max_backoff: the longest wait between attempts.
-    """
-
-    max_breaks: int = 3
-    timeout: float = attrs.field(
-        factory=lambda: float(os.environ.get("STAGERUN_RECOVERY_TIMEOUT_SECS", "60"))
-    )
-    backoff: float = 0.1
-    max_backoff: float = 0.5
-
-    @classmethod
-    def disabled(cls) -> RecoveryPolicy:
-        """Fail a request at its first lane failure."""
-        return cls(max_breaks=0)
-
-
-@attrs.frozen
-class TokenChunk:
-    """One generated token and the text it completes (may be empty mid-character)."""
-
-    token_id: int
-    text: str
-
-
-@attrs.frozen
-class Completion:
-    """The result of one request."""
-
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    finish_reason: Literal["stop", "length"]
-    timings: dict[str, float]
-
-
-@attrs.frozen
-class StageInfo:
-    """Where a stage runs and what it holds."""
-
-    index: int
-    layers: tuple[int, int]
-    address: str | None  # None for stage 0 (this process)
-    pid: int | None = None
-    backend: str = "numpy"
-    process: Any = attrs.field(default=None, eq=False, repr=False)  # a supervised StageProcess
-
-
-@attrs.frozen
-class StageHealth:
-    """The result of probing one stage."""
-
-    stage: StageInfo
-    state: Literal["ready", "unreachable"]
-    error: str | None = None
-    latency_ms: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        lo, hi = self.stage.layers
-        out: dict[str, Any] = {
-            "index": self.stage.index,
-            "address": self.stage.address or "local",
-            "layers": [lo, hi],
-            "backend": self.stage.backend,
-            "state": self.state,
-        }
-        if self.stage.process is not None:
-            out["process"] = self.stage.process.to_json()
-            out["pid"] = self.stage.process.pid
-        elif self.stage.pid is not None:
-            out["pid"] = self.stage.pid
-        if self.latency_ms is not None:
-            out["latency_ms"] = round(self.latency_ms, 3)
-        if self.error is not None:
-            out["error"] = self.error
-        return out
-
-
-@attrs.frozen
-class DrafterContext:
-    """What a drafter plugin is built from (`stagerun.abc.DrafterOptions`)."""
-
-    target: ModelFile
-    draft_model: str | None = None
 
 
 class Pipeline:
@@ -683,25 +589,3 @@ class Pipeline:
         )
         self.last_prefill = report
         return report
-
-
-class GenerationStream:
-    """The token stream of one `Pipeline.generate` call; ``result`` is set at the end."""
-
-    def __init__(self, receive: trio.MemoryReceiveChannel[TokenChunk]) -> None:
-        self._receive = receive
-        self.result: Completion | None = None
-        self.error: Exception | None = None
-        self.error_raised = False
-
-    def __aiter__(self) -> GenerationStream:
-        return self
-
-    async def __anext__(self) -> TokenChunk:
-        try:
-            return await self._receive.receive()
-        except trio.EndOfChannel:
-            if self.error is not None and not self.error_raised:
-                self.error_raised = True
-                raise self.error from None
-            raise StopAsyncIteration from None

@@ -25,7 +25,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from .._errors import LaneError, LaneTimeoutError, StageError, StagerunError
-from .._pipeline import Completion
+from .._pipeline_values import Completion
 from .._proto import SamplingParams
 from ._admission import Ticket
 from ._openai import ApiError

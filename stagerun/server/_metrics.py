@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from .._lanes import LanePool
-from .._pipeline import Pipeline, StageHealth
+from .._pipeline import Pipeline
+from .._pipeline_values import StageHealth
 from ._admission import Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -26,7 +26,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from .._errors import StagerunError
 from .._launch import Mode, open_pipeline
-from .._pipeline import RecoveryPolicy
+from .._pipeline_values import RecoveryPolicy
 from .._proto import ActivationDType
 from .._speculative import SpeculationConfig
 from .._supervise import SupervisionPolicy

@@ -15,7 +15,7 @@ import pytest
 from stagerun_llamacpp import LlamaServerDrafter
 
 from stagerun import open_pipeline, plugins
-from stagerun._pipeline import DrafterContext
+from stagerun._pipeline_values import DrafterContext
 from stagerun._speculative import SpeculationConfig
 from stagerun.model import open_model, resolve_model
 
