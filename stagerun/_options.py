@@ -333,6 +333,19 @@ def build_parser() -> argparse.ArgumentParser:
     timeline.add_argument(
         "--trace", default=None, metavar="PATH", help="keep the JSON-lines trace here"
     )
+    timeline.add_argument(
+        "--from-trace",
+        default=None,
+        metavar="PATH",
+        help="run nothing: draw a request from this debug trace (e.g. one a served pipeline "
+        "wrote with --telemetry debug --telemetry-jsonl PATH)",
+    )
+    timeline.add_argument(
+        "--request-id",
+        type=int,
+        default=None,
+        help="with --from-trace: the request to draw (default: the last one to finish)",
+    )
     timeline.add_argument("--json", action="store_true")
     _png_option(timeline, "the timeline")
     _add_pipeline_options(timeline)

@@ -67,6 +67,7 @@ class Timeline:
     segments: tuple[Segment, ...]
     windows: int
     stale_windows: int
+    tokens: int = 0  # completion tokens
 
     def totals(self) -> list[dict[str, float]]:
         """Milliseconds of each kind, per stage."""
@@ -178,6 +179,7 @@ def request_timeline(records: Iterable[Record], request_id: int | None = None) -
         segments=tuple(sorted(segments, key=lambda s: (s.stage, s.start_ms))),
         windows=len(windows),
         stale_windows=len(stale_ids),
+        tokens=int(summary.attributes.get("llama_stage.completion_token_count", 0)),
     )
 
 

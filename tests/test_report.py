@@ -118,6 +118,14 @@ def test_bench_timeline_traces_every_stage_process_into_one_png(
     records = load_trace(trace)
     assert len({r.attributes["stagerun.run_id"] for r in records}) == 3
     assert request_timeline(records).totals() == report["per_stage_ms"]
+    # an operator draws a request of their own trace the same way, running nothing
+    redrawn = tmp_path / "redrawn.png"
+    code = main(["bench", "timeline", "--from-trace", str(trace),
+                 "--request-id", str(report["request_id"]), "--png", str(redrawn), "--json"])  # fmt: skip
+    assert code == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["per_stage_ms"] == report["per_stage_ms"] and again["tokens"] == 16
+    assert png_size(redrawn) == (width, height)
 
 
 def test_bench_speculative_sweeps_hop_delays_into_a_png(

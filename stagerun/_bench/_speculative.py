@@ -6,13 +6,16 @@ import argparse
 import contextlib
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .._launch import Mode
 from .._proto import SamplingParams
 from ._common import bench_pipeline, say
+
+if TYPE_CHECKING:
+    from .._report import Timeline
 
 SPECULATIVE_PROMPTS = {
     "repeat": "Repeat the following text exactly, word for word: The lighthouse keeper climbed "
@@ -171,18 +174,74 @@ async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict
 
 
 async def bench_timeline(args: argparse.Namespace) -> int:
-    """Trace one speculative request at the debug level and lay it out per stage."""
-    import tempfile
+    """Trace one speculative request at the debug level and lay it out per stage.
 
-    from .. import telemetry
+    With ``--from-trace`` nothing runs: the request (``--request-id``, else the last one to
+    finish) is rebuilt from an existing debug trace, such as a served pipeline's.
+    """
     from .._report import load_trace, plot_timeline, request_timeline
-    from .._speculative import SpeculationConfig
 
     if args.png:
         from .._report import require_matplotlib
 
         require_matplotlib()
-    mode: Mode = "inproc" if args.inproc else "processes"
+    report: dict[str, Any] = {"benchmark": "timeline"}
+    if args.from_trace:
+        timeline = request_timeline(load_trace(args.from_trace), args.request_id)
+        report["trace"] = str(args.from_trace)
+        title = f"request {timeline.request_id:x} on {timeline.stages} stages"
+    else:
+        timeline = await _trace_one_request(args)
+        report.update(
+            model=str(args.model),
+            mode="inproc" if args.inproc else "processes",
+            hop_delay_ms=args.hop_delay_ms,
+            depth=args.depth,
+            window=args.window,
+            prompt=args.prompt,
+        )
+        title = (
+            f"one request, {args.stages} stages, hop delay {args.hop_delay_ms:g} ms, "
+            f"depth {args.depth}"
+        )
+    totals = timeline.totals()
+    report.update(
+        request_id=timeline.request_id,
+        stages=timeline.stages,
+        tokens=timeline.tokens,
+        elapsed_ms=round(timeline.elapsed_ms, 2),
+        verify_windows=timeline.windows,
+        stale_windows=timeline.stale_windows,
+        per_stage_ms=totals,
+    )
+    if args.png:
+        title += f": {timeline.windows} verify windows, {timeline.stale_windows} stale"
+        plot_timeline(timeline, args.png, title=title)
+        say(args, f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(
+        f"request: {timeline.tokens} tokens in {report['elapsed_ms']:.1f} ms, "
+        f"{timeline.windows} verify windows, {timeline.stale_windows} stale"
+    )
+    for stage, row in enumerate(totals):
+        print(
+            f"stage {stage}: compute {row['compute']:8.1f} ms  write {row['write']:7.1f} ms  "
+            f"wait {row['wait']:8.1f} ms  stale {row['stale']:7.1f} ms"
+        )
+    return 0
+
+
+async def _trace_one_request(args: argparse.Namespace) -> Timeline:
+    """Run one speculative request with every process tracing at debug into one file."""
+    import tempfile
+
+    from .. import telemetry
+    from .._report import load_trace, request_timeline
+    from .._speculative import SpeculationConfig
+
+    mode = "inproc" if args.inproc else "processes"
     threads = args.threads if args.threads is not None else 1
     spec = SpeculationConfig("ngram", depth=args.depth, window=args.window)
     prompt = SPECULATIVE_PROMPTS[args.prompt]
@@ -215,50 +274,10 @@ async def bench_timeline(args: argparse.Namespace) -> int:
             ) as pipeline,
         ):
             await pipeline.complete("Hello", max_tokens=4, speculation=spec)  # warm-up
-            result = await pipeline.complete(
-                prompt, chat=True, max_tokens=args.tokens, speculation=spec
-            )
+            await pipeline.complete(prompt, chat=True, max_tokens=args.tokens, speculation=spec)
         if tel.dropped:
             say(args, f"warning: {tel.dropped} telemetry records were dropped")
-        timeline = request_timeline(load_trace(trace))
-    totals = timeline.totals()
-    report: dict[str, Any] = {
-        "benchmark": "timeline",
-        "model": str(args.model),
-        "stages": args.stages,
-        "mode": mode,
-        "hop_delay_ms": args.hop_delay_ms,
-        "depth": args.depth,
-        "window": args.window,
-        "prompt": args.prompt,
-        "tokens": len(result.token_ids),
-        "elapsed_ms": round(timeline.elapsed_ms, 2),
-        "verify_windows": timeline.windows,
-        "stale_windows": timeline.stale_windows,
-        "per_stage_ms": totals,
-    }
-    if args.png:
-        plot_timeline(
-            timeline,
-            args.png,
-            title=f"one request, {args.stages} stages, hop delay {args.hop_delay_ms:g} ms, "
-            f"depth {args.depth}: {timeline.windows} verify windows, "
-            f"{timeline.stale_windows} stale",
-        )
-        say(args, f"wrote {args.png}")
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    print(
-        f"request: {report['tokens']} tokens in {report['elapsed_ms']:.1f} ms, "
-        f"{timeline.windows} verify windows, {timeline.stale_windows} stale"
-    )
-    for stage, row in enumerate(totals):
-        print(
-            f"stage {stage}: compute {row['compute']:8.1f} ms  write {row['write']:7.1f} ms  "
-            f"wait {row['wait']:8.1f} ms  stale {row['stale']:7.1f} ms"
-        )
-    return 0
+        return request_timeline(load_trace(trace))
 
 
 def _restore_env(saved: dict[str, str | None]) -> None:
