@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Awaitable, Callable
 
 import pytest
+import trio
 
+from stagerun import serve_stage
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile, open_model, resolve_model
 from stagerun.testing import write_tiny_model
@@ -37,3 +40,28 @@ def smollm2(smollm2_path: pathlib.Path) -> ModelFile:
 def smollm2_backend(smollm2: ModelFile) -> NumpyBackend:
     """All 30 layers of the default model on one stage, 2 BLAS threads."""
     return NumpyBackend(smollm2, threads=2)
+
+
+KillableStage = Callable[[trio.Nursery], Awaitable[tuple[str, trio.CancelScope]]]
+
+
+@pytest.fixture
+def killable_stage(tiny_model: ModelFile) -> KillableStage:
+    """Start stage 1 of the tiny model (blocks 2..4) in a nursery; cancel the scope to kill it.
+
+    ``address, scope = await killable_stage(nursery)``; pair it with ``layers=[(0, 2), (2, 4)]``.
+    """
+
+    async def start(nursery: trio.Nursery) -> tuple[str, trio.CancelScope]:
+        scope = trio.CancelScope()
+
+        async def stage(task_status: trio.TaskStatus[str]) -> None:
+            with scope:
+                await serve_stage(
+                    NumpyBackend(tiny_model, (2, 4)), index=1, task_status=task_status
+                )
+
+        address: str = await nursery.start(stage)
+        return address, scope
+
+    return start

@@ -16,7 +16,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -34,6 +34,9 @@ from stagerun._speculative import SpeculationConfig
 from stagerun._stage import StageServer
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
+
+if TYPE_CHECKING:
+    from conftest import KillableStage
 
 PROMPT = "The lighthouse keeper counted the ships"
 TOKENS = 120
@@ -226,19 +229,11 @@ async def test_a_reset_connection_between_stages_is_recovered(tiny_model: ModelF
 
 
 async def test_a_stage_that_never_returns_fails_the_request_in_bounded_time(
-    tiny_model: ModelFile,
+    tiny_model: ModelFile, killable_stage: KillableStage
 ) -> None:
     ranges = [(0, 2), (2, 4)]
     async with trio.open_nursery() as nursery:
-        stage_scope = trio.CancelScope()
-
-        async def stage(task_status: trio.TaskStatus[str]) -> None:
-            with stage_scope:
-                await serve_stage(
-                    NumpyBackend(tiny_model, ranges[1]), index=1, task_status=task_status
-                )
-
-        address = await nursery.start(stage)
+        address, stage_scope = await killable_stage(nursery)
         recovery = RecoveryPolicy(timeout=2.0)
         async with open_pipeline(
             tiny_model, layers=ranges, remote=[address], recovery=recovery
@@ -256,20 +251,14 @@ async def test_a_stage_that_never_returns_fails_the_request_in_bounded_time(
         nursery.cancel_scope.cancel()
 
 
-async def test_recovery_can_be_turned_off(tiny_model: ModelFile) -> None:
+async def test_recovery_can_be_turned_off(
+    tiny_model: ModelFile, killable_stage: KillableStage
+) -> None:
     from stagerun import LaneError
 
     ranges = [(0, 2), (2, 4)]
     async with trio.open_nursery() as nursery:
-        stage_scope = trio.CancelScope()
-
-        async def stage(task_status: trio.TaskStatus[str]) -> None:
-            with stage_scope:
-                await serve_stage(
-                    NumpyBackend(tiny_model, ranges[1]), index=1, task_status=task_status
-                )
-
-        address = await nursery.start(stage)
+        address, stage_scope = await killable_stage(nursery)
         async with open_pipeline(
             tiny_model, layers=ranges, remote=[address], recovery=RecoveryPolicy.disabled()
         ) as pipeline:

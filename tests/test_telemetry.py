@@ -7,14 +7,17 @@ import json
 import pathlib
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 import trio
 
-from stagerun import LaneError, RecoveryPolicy, open_pipeline, serve_stage, telemetry
+from stagerun import LaneError, RecoveryPolicy, open_pipeline, telemetry
 from stagerun._speculative import SpeculationConfig
-from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
+
+if TYPE_CHECKING:
+    from conftest import KillableStage
 
 PROMPT = "The lighthouse keeper counted the ships"
 
@@ -72,20 +75,14 @@ async def test_lane_pool_events(
 
 
 async def test_a_failed_replacement_is_an_event(
-    tiny_model: ModelFile, recorded: tuple[telemetry.Telemetry, ListSink]
+    tiny_model: ModelFile,
+    recorded: tuple[telemetry.Telemetry, ListSink],
+    killable_stage: KillableStage,
 ) -> None:
     tel, sink = recorded
     ranges = [(0, 2), (2, 4)]
     async with trio.open_nursery() as nursery:
-        scope = trio.CancelScope()
-
-        async def stage(task_status: trio.TaskStatus[str]) -> None:
-            with scope:
-                await serve_stage(
-                    NumpyBackend(tiny_model, ranges[1]), index=1, task_status=task_status
-                )
-
-        address = await nursery.start(stage)
+        address, scope = await killable_stage(nursery)
         async with open_pipeline(
             tiny_model, layers=ranges, remote=[address], recovery=RecoveryPolicy.disabled()
         ) as pipeline:
