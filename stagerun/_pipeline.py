@@ -534,7 +534,24 @@ class Pipeline:
         if lane is None:
             logits = await self._compute0(cache, 0, prompt_ids, request_id=request_id)
             return sample_token(logits[-1], sampling, len(prompt_ids))
-        report = await self._prefill(lane, request_id, cache, prompt_ids, configure_owed=True)
+
+        async def compute(position: int, tokens: Sequence[int]) -> np.ndarray[Any, Any]:
+            return await self._compute0(
+                cache, position, tokens, logits="all", request_id=request_id
+            )
+
+        report = await send_prefill(
+            lane,
+            request_id,
+            prompt_ids,
+            compute0=compute,
+            policy=self.prefill_policy,
+            credit=self.prefill_credit,
+            wire_dtype=self.wire_dtype,
+            estimate=self.pool.prefill_transport if self.pool is not None else None,
+            configure_owed=True,  # `_run` sent Configure just before, without waiting
+        )
+        self.last_prefill = report
         if timings is not None:
             timings["prefill_chunks"] = timings.get("prefill_chunks", 0) + report.chunks
         reply = await lane.receive_predictions(request_id)
@@ -561,31 +578,3 @@ class Pipeline:
         )
         reply = await lane.receive_predictions(request_id)
         return int(reply.tokens[-1])
-
-    async def _prefill(
-        self,
-        lane: Lane,
-        request_id: int,
-        cache: Any,
-        prompt_ids: list[int],
-        *,
-        configure_owed: bool = False,
-    ) -> PrefillReport:
-        async def compute(position: int, tokens: Sequence[int]) -> np.ndarray[Any, Any]:
-            return await self._compute0(
-                cache, position, tokens, logits="all", request_id=request_id
-            )
-
-        report = await send_prefill(
-            lane,
-            request_id,
-            prompt_ids,
-            compute0=compute,
-            policy=self.prefill_policy,
-            credit=self.prefill_credit,
-            wire_dtype=self.wire_dtype,
-            estimate=self.pool.prefill_transport if self.pool is not None else None,
-            configure_owed=configure_owed,
-        )
-        self.last_prefill = report
-        return report

@@ -375,10 +375,12 @@ async def decode_speculative(
                 else:
                     reply = await replies.receive()
                 before = controller.stats()
-                was_stale = tel.enabled and any(
-                    window.stale
-                    for window in controller.scheduler.in_flight
-                    if isinstance(reply, _proto.Predictions) and window.id == reply.window_id
+                was_stale = (
+                    tel.enabled
+                    and isinstance(reply, _proto.Predictions)
+                    and any(
+                        w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight
+                    )
                 )
                 if isinstance(reply, _proto.Cancelled):
                     pace.forget(reply.window_ids)

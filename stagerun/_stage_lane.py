@@ -365,13 +365,14 @@ class LaneWorker:
             server.stale_stopped += 1  # went stale while computing; stopped at a layer
             tel = telemetry.current()
             if tel.debug_enabled:
+                stopped_us = _us_since(start)
                 tel.debug_span(
                     "stage.binary_llama_decode",
-                    now_ns() - _us_since(start) * 1000,
+                    now_ns() - stopped_us * 1000,
                     {
                         **self._compute_attributes(message),
                         "llama_stage.compute_stopped": True,
-                        "llama_stage.elapsed_ms": _us_since(start) / 1000.0,
+                        "llama_stage.elapsed_ms": stopped_us / 1000.0,
                     },
                 )
             return

@@ -359,7 +359,8 @@ def configure_from_env(
         capacity = int(env.get("STAGERUN_TELEMETRY_QUEUE", str(DEFAULT_QUEUE_CAPACITY)))
     except ValueError:
         raise ValueError("STAGERUN_TELEMETRY_QUEUE must be a whole number of records") from None
-    sinks: list[Sink] = []
+    telemetry = Telemetry(level, capacity=capacity, common=common)  # checks before opening
+    sinks = telemetry.sinks
     if level != "off":  # off opens nothing (a sink holds a file until the drain task closes it)
         try:
             target = env.get("STAGERUN_TELEMETRY_JSONL")
@@ -369,12 +370,9 @@ def configure_from_env(
                 sinks.append(OpenTelemetrySink())
             if not sinks:
                 sinks.append(JsonLinesSink("stderr"))
-            telemetry = Telemetry(level, sinks, capacity=capacity, common=common)
         except BaseException:
             for sink in sinks:
                 sink.close()
             raise
-    else:
-        telemetry = Telemetry(level, capacity=capacity, common=common)
     set_current(telemetry)
     return telemetry

@@ -60,12 +60,7 @@ async def bench_speculative(args: argparse.Namespace) -> int:
         common = ("benchmark", "model", "stages", "mode", "threads_per_stage", "window", "depth",
                   "tokens_per_prompt", "rounds", "prompts")  # fmt: skip
         report = {key: results[0][key] for key in common}
-        report["sweep"] = [
-            {key: row[key] for key in row if key not in common or key == "benchmark"}
-            for row in results
-        ]
-        for row in report["sweep"]:
-            row.pop("benchmark")
+        report["sweep"] = [{k: v for k, v in row.items() if k not in common} for row in results]
     if args.png:
         from .._report import plot_hop_sweep
 
