@@ -4,6 +4,25 @@ The file has the real model's layout -- llama tensor names and keys, a byte-leve
 (the 256 byte tokens, a few merges, ChatML control tokens) and a ChatML chat template -- with
 small shapes and seeded random F32 weights, so it loads through ``open_model``, runs in every
 backend, and greedy decoding is deterministic. It is well under 1 MB.
+
+The weights are scaled so that the output depends on the input, which is what makes the model
+an oracle: a test that compares two runs can only tell a correct replay from a wrong one if a
+wrong one (a dropped token, a lost prompt, another seed) changes what comes next. Plain
+``N(0, 1)`` embeddings with a tied head do not give that: the current token's own embedding
+dominates the residual stream, so its logit stands ~20 above the rest and the model repeats one
+token forever. Here, by construction:
+
+* embeddings are small (``embedding_std``), so the residual stream is mostly what the blocks
+  computed from the context, not the current token;
+* queries are scaled up (``attention_gain``), so each head attends sharply to a few earlier
+  positions chosen by content and (through RoPE) by distance, and the context keeps changing
+  what comes next instead of settling on a fixed point;
+* the output norm's gain (``logit_scale``) sets how peaked the next-token distribution is:
+  with the defaults the top token has p ~0.4 at temperature 1, so greedy runs are varied and
+  seeded sampling gives a different output for every seed.
+
+``tests/test_tiny_model.py`` asserts these properties (distinct ids per greedy run, different
+continuations for different prompts, seeds that matter).
 """
 
 from __future__ import annotations
@@ -41,6 +60,9 @@ def write_tiny_model(
     architecture: str = "llama",
     context_length: int = 512,
     weights: str = "F32",
+    embedding_std: float = 0.05,
+    attention_gain: float = 3.0,
+    logit_scale: float = 8.0,
 ) -> pathlib.Path:
     """Write a small llama GGUF file with seeded random F32 weights and return its path.
 
@@ -53,6 +75,11 @@ def write_tiny_model(
         weights: the GGML type of the block matrices: ``F32`` (default), or a type
             ``gguf.quants`` can quantize (``Q4_0``, ``Q4_1``, ``Q8_0``...) for backends that
             read the blocks as stored. Norms and embeddings stay F32.
+        embedding_std: the standard deviation of the token embeddings (see the module
+            docstring); 1.0 with ``attention_gain=1`` and ``logit_scale=1`` gives the old,
+            peaked model that repeats one token.
+        attention_gain: a factor on the query projections: how sharply heads attend.
+        logit_scale: a factor on the output norm's gain: how peaked the logits are.
     """
     if d_model % n_heads or n_heads % n_kv_heads or (d_model // n_heads) % 2:
         raise ValueError("d_model must split into an even head_dim, and heads into KV groups.")
@@ -108,10 +135,11 @@ def write_tiny_model(
         else:
             writer.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
 
-    writer.add_tensor("token_embd.weight", rng.standard_normal((vocab, d_model)).astype(np.float32))
+    embeddings = embedding_std * rng.standard_normal((vocab, d_model))
+    writer.add_tensor("token_embd.weight", embeddings.astype(np.float32))
     for i in range(n_layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", gain(d_model))
-        add_matrix(f"blk.{i}.attn_q.weight", matrix(n_heads * head_dim, d_model))
+        add_matrix(f"blk.{i}.attn_q.weight", attention_gain * matrix(n_heads * head_dim, d_model))
         add_matrix(f"blk.{i}.attn_k.weight", matrix(n_kv_heads * head_dim, d_model))
         add_matrix(f"blk.{i}.attn_v.weight", matrix(n_kv_heads * head_dim, d_model))
         add_matrix(f"blk.{i}.attn_output.weight", matrix(d_model, n_heads * head_dim))
@@ -119,7 +147,7 @@ def write_tiny_model(
         add_matrix(f"blk.{i}.ffn_gate.weight", matrix(d_ff, d_model))
         add_matrix(f"blk.{i}.ffn_up.weight", matrix(d_ff, d_model))
         add_matrix(f"blk.{i}.ffn_down.weight", matrix(d_model, d_ff))
-    writer.add_tensor("output_norm.weight", gain(d_model))
+    writer.add_tensor("output_norm.weight", logit_scale * gain(d_model))
     if not tied_output:
         writer.add_tensor("output.weight", matrix(vocab, d_model))
     writer.write_header_to_file()
