@@ -58,6 +58,15 @@ DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowled
 log = logging.getLogger("stagerun.pipeline")
 
 
+def replay_context(prompt_ids: Sequence[int], generated: Sequence[int]) -> list[int]:
+    """What a request prefills on a fresh lane: the prompt, then every token committed so far.
+
+    A module-level function so that the recovery tests can swap in a wrong replay (one that
+    drops a token, or the prompt) and see their equality check fail.
+    """
+    return [*prompt_ids, *generated]
+
+
 class Pipeline:
     """A running pipeline; use `open_pipeline` to get one."""
 
@@ -324,7 +333,7 @@ class Pipeline:
             generated so far are replayed, and decoding continues from there.
             """
             nonlocal t_first
-            context = [*prompt_ids, *generated]
+            context = replay_context(prompt_ids, generated)
             replay_start = time.perf_counter()
             first = await self._first_token(lane, request_id, cache, context, sampling, extra)
             if t_first is None:
