@@ -22,12 +22,13 @@ from collections.abc import Iterator
 
 import pytest
 import trio
+from _oracle import assert_varied
 
 from stagerun import open_pipeline
 
 PROMPT = "The lighthouse keeper climbed the stairs"
 DELAY_MS = 5
-TOKENS = 16
+TOKENS = 24
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -134,7 +135,9 @@ def test_a_three_host_pipeline_across_namespaces(
         async with open_pipeline(tiny_model_path, layers=[(0, 1), (1, 3), (3, 4)]) as pipeline:
             return (await pipeline.complete(PROMPT, max_tokens=TOKENS)).token_ids
 
-    assert across["token_ids"] == trio.run(local)
+    want = trio.run(local)
+    assert_varied(want)
+    assert across["token_ids"] == want
     # Every decode step crosses three links (0->1, 1->2, 2->0), each delayed.
     step_ms = across["timings"]["predicted_ms"] / max(len(across["token_ids"]) - 1, 1)
     print(f"decode step across the namespaces: {step_ms:.1f} ms")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from _oracle import assert_varied
 
 from stagerun import open_pipeline, plugins
 from stagerun._errors import LaneHandshakeError
@@ -19,7 +20,7 @@ PROMPT = "The lighthouse keeper climbed the stairs"
 
 async def _greedy(model: object, **options: object) -> tuple[list[int], list[str | None]]:
     async with open_pipeline(model, stages=3, **options) as pipeline:  # type: ignore[arg-type]
-        result = await pipeline.complete(PROMPT, max_tokens=12)
+        result = await pipeline.complete(PROMPT, max_tokens=24)
         return result.token_ids, [s.address for s in pipeline.stages]
 
 
@@ -38,6 +39,7 @@ async def test_tiny_pipeline_is_identical_over_every_transport(
     tiny_model_path: Path, options: dict[str, object]
 ) -> None:
     reference, tcp_addresses = await _greedy(tiny_model_path)
+    assert_varied(reference)
     assert all(a.startswith("tcp://") for a in tcp_addresses[1:] if a)
     tokens, addresses = await _greedy(tiny_model_path, **options)
     assert tokens == reference
@@ -49,6 +51,7 @@ async def test_tiny_pipeline_is_identical_over_every_transport(
 @pytest.mark.slow
 async def test_real_model_three_stages_identical_over_tcp_ws_plugin_and_mixed() -> None:
     reference, _ = await _greedy("smollm2", mode="processes")
+    assert_varied(reference)
     for options in ({"transport": "ws"}, {"transport": "unix"}, {"transports": ["ws", "tcp"]}):
         tokens, addresses = await _greedy("smollm2", mode="processes", **options)
         assert tokens == reference, (options, addresses)
