@@ -24,6 +24,19 @@ def test_stop_string_split_across_pieces_is_never_shown() -> None:
     assert a.stopped and a.text == "Hi there"
 
 
+def test_a_stop_string_in_the_middle_keeps_what_precedes_it_and_cuts_what_follows() -> None:
+    a = TextAssembler(["\nUser:"])
+    pieces = ["The", " answer", " is 4", "2.\nUs", "er: and", " more", " text"]
+    shown = [a.push(piece) for piece in pieces]
+    assert shown == ["The", " answer", " is 4", "2.", "", "", ""]
+    assert a.flush() == ""
+    assert a.stopped and a.text == "The answer is 42."
+    b = TextAssembler(["STOP"])
+    assert b.push("keep this STOP drop this") == "keep this "  # one piece holding all three
+    assert b.stopped and b.push(" and this") == "" and b.flush() == ""
+    assert b.text == "keep this "
+
+
 def test_held_back_text_is_released_when_it_cannot_stop() -> None:
     a = TextAssembler(["STOP"])
     assert a.push("ST") == ""
