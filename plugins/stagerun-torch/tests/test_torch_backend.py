@@ -61,7 +61,13 @@ def test_int4_agrees_with_numpy_on_the_same_blocks(tiny_q4: ModelFile) -> None:
     int4 = TorchInt4Backend(tiny_q4)
     got = int4.forward(int4.new_cache(), 0, tokens=ids, logits="all")
     assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.999
-    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+    # The tiny model's logits have close runners-up (it is built to vary): the top-1 may flip
+    # where the lead is small, never where it is clear.
+    top2 = np.sort(want, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 0.25 * want.std()
+    agree = got.argmax(-1) == want.argmax(-1)
+    assert agree[clear].all() and clear.sum() >= 5
+    assert agree.mean() >= 0.9
 
 
 def test_int4_refuses_other_block_types_and_devices(tiny: ModelFile) -> None:
