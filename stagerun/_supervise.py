@@ -11,9 +11,13 @@ a full pipe), the other is the liveness probe: every ``probe_interval`` seconds 
 connection and waits for the handshake. A process that is alive but fails ``probe_failures``
 probes in a row (stopped, deadlocked, swapping) is killed, which turns a stall into a death.
 When the child exits, for whatever reason, the supervisor waits (``backoff``, doubling up to
-``max_backoff``; a run longer than ``stable_after`` resets it) and starts it again. Requests
-that were using the stage recover on their own (`stagerun.RecoveryPolicy`): they wait for
-the restarted process and replay their committed tokens.
+``max_backoff``; a run longer than ``stable_after`` resets it) and starts it again. That wait
+is decided by the pure `SupervisionPolicy.restart_delay`; `StageProcess.run` only carries it
+out. Requests that were using the stage recover on their own (`stagerun.RecoveryPolicy`):
+they wait for the restarted process and replay their committed tokens.
+
+The child is started through ``StageProcess.spawn`` (`trio.run_process` by default), so tests
+drive the supervisor against a fake child on a fake clock.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import functools
 import logging
 import subprocess
 import sys
-from collections.abc import Sequence
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, Protocol, cast
 
 import attrs
 import trio
@@ -60,6 +64,62 @@ class SupervisionPolicy:
     probe_failures: int = 3
     ready_timeout: float = 120.0
 
+    def restart_delay(self, previous: float | None, uptime: float) -> float:
+        """Seconds to wait before restarting a process that exited after ``uptime`` seconds.
+
+        Args:
+            previous: the wait before the previous restart; None if this is the first one.
+            uptime: how long the process that just exited served: from its ready line to its
+                exit (0 when it never got ready, so a start that hangs until it is killed
+                never counts as a stable run).
+
+        Returns:
+            ``backoff`` for the first restart and after a run longer than ``stable_after``;
+            otherwise twice ``previous``, at most ``max_backoff``.
+        """
+        if previous is None or uptime > self.stable_after:
+            return self.backoff
+        return min(previous * 2, self.max_backoff)
+
+
+class Child(Protocol):
+    """What the supervisor uses of a started child (`trio.Process` is one)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def stdout(self) -> trio.abc.ReceiveStream | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    async def wait(self) -> int: ...
+
+
+#: Runs ``command`` until it exits, reporting the started `Child` through ``task_status``
+#: (the shape of `trio.run_process`); cancelling it kills the child.
+Spawn = Callable[..., Awaitable[object]]
+
+
+async def spawn_process(
+    command: list[str], *, task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run a ``stagerun stage`` child, its stdout piped, until it exits."""
+    await trio.run_process(
+        command,
+        stdout=subprocess.PIPE,
+        check=False,
+        # Its own session: a terminal's Ctrl-C reaches only the driver, which then stops the
+        # stages in order.
+        start_new_session=True,
+        task_status=task_status,
+    )
+
 
 @attrs.define(eq=False)
 class StageProcess:
@@ -76,6 +136,7 @@ class StageProcess:
     probe_kills: int = 0
     last_exit: int | None = None
     last_error: str | None = None
+    spawn: Spawn = attrs.field(default=spawn_process, kw_only=True, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"state": self.state, "restarts": self.restarts}
@@ -95,12 +156,11 @@ class StageProcess:
         Raises:
             StageError: the first start failed (a restart that fails is retried instead).
         """
-        delay = self.policy.backoff
+        delay: float | None = None
         first = True
         try:
             while True:
-                started_at = trio.current_time()
-                error = await self._run_once(task_status if first else None)
+                error, uptime = await self._run_once(task_status if first else None)
                 if first and self.address is None:
                     raise StageError(error or f"stage {self.index} did not start")
                 first = False
@@ -108,8 +168,7 @@ class StageProcess:
                 if not self.policy.restart:
                     self.state = "stopped"
                     return
-                if trio.current_time() - started_at > self.policy.stable_after:
-                    delay = self.policy.backoff
+                delay = self.policy.restart_delay(delay, uptime)
                 self.state = "restarting"
                 log.warning(
                     "stage %d (pid %s) exited with %s%s; restarting in %.1fs",
@@ -120,39 +179,38 @@ class StageProcess:
                     delay,
                 )
                 await trio.sleep(delay)
-                delay = min(delay * 2, self.policy.max_backoff)
                 self.restarts += 1
         finally:
             self.state = "stopped"
 
-    async def _run_once(self, task_status: trio.TaskStatus[StageProcess] | None) -> str | None:
-        """Run the child once, to its exit; the error that ended it early, if any."""
+    async def _run_once(
+        self, task_status: trio.TaskStatus[StageProcess] | None
+    ) -> tuple[str | None, float]:
+        """Run the child once, to its exit.
+
+        Returns:
+            The error that ended it early, if any, and how long it served after its ready
+            line (0 if it never printed one).
+        """
         from ._launch import _read_ready_line
 
         error: str | None = None
+        ready_at: float | None = None
         command = [*self.command, "--listen", self.listen]
         async with trio.open_nursery() as nursery:
-            proc: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    command,
-                    stdout=subprocess.PIPE,
-                    check=False,
-                    # Its own session: a terminal's Ctrl-C reaches only the driver, which
-                    # then stops the stages in order.
-                    start_new_session=True,
-                )
-            )
+            proc: Child = await nursery.start(functools.partial(self.spawn, command))
             self.pid = proc.pid
             try:
                 with trio.fail_after(self.policy.ready_timeout):
-                    address = await _read_ready_line(proc, self.index)
+                    # It reads only stdout and polls: a Child will do.
+                    address = await _read_ready_line(cast(trio.Process, proc), self.index)
             except (StageError, trio.TooSlowError) as exc:
                 error = str(exc) or f"no ready line within {self.policy.ready_timeout:g}s"
                 proc.kill()
             else:
                 self.address = self.listen = address
                 self.state = "running"
+                ready_at = trio.current_time()
                 if task_status is not None:
                     task_status.started(self)
                 assert proc.stdout is not None
@@ -162,9 +220,9 @@ class StageProcess:
             await proc.wait()
             self.last_exit = proc.returncode
             nursery.cancel_scope.cancel()
-        return error
+        return error, 0.0 if ready_at is None else trio.current_time() - ready_at
 
-    async def _probe(self, proc: trio.Process, address: str) -> None:
+    async def _probe(self, proc: Child, address: str) -> None:
         failures = 0
         while True:
             await trio.sleep(self.policy.probe_interval)

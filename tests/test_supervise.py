@@ -1,0 +1,234 @@
+"""The supervisor's restart schedule: the pure decision, then the Trio driver on a fake clock.
+
+`SupervisionPolicy.restart_delay` decides how long to wait before a restart; `StageProcess.run`
+carries it out. The driver runs here against a fake child (`FakeLauncher`, a stand-in for
+`trio.run_process`) under `autojump_clock`, so "10 s of backoff" takes no real time and every
+wait is measured exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stagerun import StageError
+from stagerun._supervise import StageProcess, SupervisionPolicy
+
+ADDRESS = "tcp://127.0.0.1:9001"  # what the fake child reports; nothing connects to it
+
+
+# -- the pure schedule ---------------------------------------------------------------------
+
+
+def _delays(policy: SupervisionPolicy, uptimes: list[float]) -> list[float]:
+    """The wait before each restart, for processes that ran ``uptimes`` seconds in turn."""
+    out: list[float] = []
+    previous: float | None = None
+    for uptime in uptimes:
+        previous = policy.restart_delay(previous, uptime)
+        out.append(previous)
+    return out
+
+
+def test_the_documented_defaults() -> None:
+    """docs/reliability.md: 0.2 s doubling to 10 s, reset after 30 s of uptime."""
+    policy = SupervisionPolicy()
+    assert (policy.backoff, policy.max_backoff, policy.stable_after) == (0.2, 10.0, 30.0)
+
+
+def test_the_backoff_doubles_up_to_the_cap() -> None:
+    delays = _delays(SupervisionPolicy(), [1.0] * 9)
+    assert delays == pytest.approx([0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0, 10.0, 10.0])
+
+
+def test_a_stable_run_resets_the_backoff() -> None:
+    policy = SupervisionPolicy()
+    crashing = [1.0] * 6  # up to 6.4 s
+    delays = _delays(policy, [*crashing, 30.5, 1.0, 1.0])
+    assert delays[5] == pytest.approx(6.4)
+    assert delays[6:] == pytest.approx([0.2, 0.4, 0.8])  # reset, then doubling again
+    # exactly stable_after is not longer than it: no reset
+    assert _delays(policy, [*crashing, 30.0])[-1] == pytest.approx(10.0)
+
+
+@given(
+    backoff=st.floats(0.01, 5.0),
+    factor=st.floats(1.0, 100.0),
+    stable_after=st.floats(1.0, 100.0),
+    uptimes=st.lists(st.floats(0.0, 200.0), min_size=1, max_size=30),
+)
+def test_the_schedule_is_bounded_and_resets_exactly_after_stable_runs(
+    backoff: float, factor: float, stable_after: float, uptimes: list[float]
+) -> None:
+    policy = SupervisionPolicy(
+        backoff=backoff, max_backoff=backoff * factor, stable_after=stable_after
+    )
+    delays = _delays(policy, uptimes)
+    for i, (uptime, delay) in enumerate(zip(uptimes, delays, strict=True)):
+        assert backoff <= delay <= policy.max_backoff
+        if i == 0 or uptime > stable_after:
+            assert delay == backoff
+        else:
+            assert delay == min(delays[i - 1] * 2, policy.max_backoff)
+
+
+# -- the driver, against a fake child on a fake clock ----------------------------------------
+
+
+@attrs.define(eq=False)
+class FakeChild:
+    """What `StageProcess` sees of a started child: a pid, stdout, kill, wait."""
+
+    pid: int
+    stdout: trio.abc.ReceiveStream
+    returncode: int | None = None
+    killed: trio.Event = attrs.field(factory=trio.Event)
+    exited: trio.Event = attrs.field(factory=trio.Event)
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        self.killed.set()
+
+    async def wait(self) -> int:
+        await self.exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+
+@attrs.frozen
+class Life:
+    """One scripted run of the child: it prints READY (or not) and exits after ``uptime``."""
+
+    uptime: float
+    ready: bool = True
+
+
+@attrs.define(eq=False)
+class FakeLauncher:
+    """Plays `Life` after `Life`; after the script, the child runs until cancelled.
+
+    Records the fake time of every start and exit and each command line.
+    """
+
+    script: list[Life]
+    starts: list[float] = attrs.field(factory=list)
+    exits: list[float] = attrs.field(factory=list)
+    commands: list[list[str]] = attrs.field(factory=list)
+    children: list[FakeChild] = attrs.field(factory=list)
+    script_done: trio.Event = attrs.field(factory=trio.Event)
+
+    async def __call__(
+        self, command: list[str], *, task_status: trio.TaskStatus[FakeChild]
+    ) -> None:
+        n = len(self.starts)
+        self.starts.append(trio.current_time())
+        self.commands.append(command)
+        life = self.script[n] if n < len(self.script) else Life(math.inf)
+        out, stdout = trio.testing.memory_stream_one_way_pair()
+        child = FakeChild(pid=1000 + n, stdout=stdout)
+        self.children.append(child)
+        task_status.started(child)
+        if n == len(self.script):
+            self.script_done.set()
+        try:
+            if life.ready:
+                await out.send_all(f"READY {ADDRESS}\n".encode())
+            with trio.move_on_after(life.uptime):
+                await child.killed.wait()
+        finally:  # also when cancelled, as trio.run_process kills its child
+            child.returncode = -9 if child.killed.is_set() else 1
+            self.exits.append(trio.current_time())
+            out.close()
+            child.exited.set()
+
+
+def _process(launcher: FakeLauncher, policy: SupervisionPolicy) -> StageProcess:
+    return StageProcess(1, ["stagerun", "stage"], "tcp://127.0.0.1:0", policy, spawn=launcher)
+
+
+def _waits(launcher: FakeLauncher) -> list[float]:
+    """Fake seconds between each exit and the next start."""
+    return [launcher.starts[i + 1] - launcher.exits[i] for i in range(len(launcher.starts) - 1)]
+
+
+NO_PROBES = SupervisionPolicy(probe_interval=0)
+STUCK = 3600.0  # fake seconds: a supervisor that gets stuck fails the test, not hangs it
+
+
+async def test_the_supervisor_backs_off_doubling_and_resets_after_a_stable_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    script = [Life(1.0)] * 8 + [Life(40.0)] + [Life(1.0)] * 2
+    launcher = FakeLauncher(script)
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            process: StageProcess = await nursery.start(_process(launcher, NO_PROBES).run)
+            assert process.state == "running" and process.address == ADDRESS
+            await launcher.script_done.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert process.state == "running"
+            nursery.cancel_scope.cancel()
+
+    crashing = [0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0, 10.0]  # doubling to the cap
+    after_stable = [0.2, 0.4, 0.8]  # after the 40 s run: from the start again
+    assert _waits(launcher) == pytest.approx([*crashing, *after_stable])
+    assert process.restarts == len(script)
+    assert process.last_exit == 1 and process.state == "stopped"
+    assert process.pid == launcher.children[-1].pid
+    # the first start picks a port; every restart reuses the address the child reported
+    assert launcher.commands[0][-2:] == ["--listen", "tcp://127.0.0.1:0"]
+    assert all(command[-2:] == ["--listen", ADDRESS] for command in launcher.commands[1:])
+
+
+async def test_a_restart_that_never_gets_ready_is_killed_and_retried(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The hung start lasts longer than a stable run, but it never served: no reset.
+    policy = attrs.evolve(NO_PROBES, ready_timeout=45.0)
+    launcher = FakeLauncher([Life(1.0), Life(math.inf, ready=False)])
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            process: StageProcess = await nursery.start(_process(launcher, policy).run)
+            await launcher.script_done.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            hung = launcher.children[1]
+            assert hung.killed.is_set() and hung.returncode == -9
+            assert launcher.exits[1] - launcher.starts[1] == pytest.approx(45.0)  # ready_timeout
+            assert process.last_error == "no ready line within 45s"
+            nursery.cancel_scope.cancel()
+    # a killed start counts as a crash: the backoff keeps doubling through it
+    assert _waits(launcher) == pytest.approx([0.2, 0.4])
+    assert process.restarts == 2 and process.address == ADDRESS
+
+
+async def test_a_first_start_that_fails_is_an_error_not_a_restart_loop(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    launcher = FakeLauncher([Life(0.5, ready=False)])
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(
+                StageError, match=r"stage 1 exited before it was ready \(exit code 1\)"
+            ):
+                await nursery.start(_process(launcher, NO_PROBES).run)
+    assert len(launcher.starts) == 1
+
+
+async def test_without_restart_an_exited_stage_stays_stopped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    launcher = FakeLauncher([Life(3.0)])
+    policy = attrs.evolve(NO_PROBES, restart=False)
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            process: StageProcess = await nursery.start(_process(launcher, policy).run)
+    assert process.state == "stopped" and process.restarts == 0 and process.last_exit == 1
+    assert len(launcher.starts) == 1
