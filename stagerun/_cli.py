@@ -204,6 +204,7 @@ async def _stage(args: argparse.Namespace) -> int:
                 downstream=args.downstream,
                 listen=listen,
                 wire_dtype=args.wire_dtype,
+                handshake_timeout=args.handshake_timeout,
                 link=LinkEmulation(
                     delay_s=args.hop_delay_ms / 1000.0,
                     bandwidth_bytes_per_s=(

@@ -34,6 +34,8 @@ from ._errors import (
 )
 
 _RECEIVE_SIZE = 1 << 18
+#: Seconds a stage gives a connecting peer to finish its side of the handshake.
+DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 
 
 def socket_is_idle(sock: Any) -> bool:
@@ -304,7 +306,7 @@ async def server_handshake(
     stream: trio.abc.Stream,
     *,
     peer: str,
-    hello_timeout: float = 10.0,
+    hello_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     check: Callable[[_proto.Hello], str | None] | None = None,
     link: LinkEmulation = NO_EMULATION,
     secret: bytes | None = None,
@@ -314,9 +316,16 @@ async def server_handshake(
     With a ``secret``, a client must authenticate (see `stagerun._proto` handshake) before
     anything else is read. A bad hello, a failed authentication, or a hello that ``check``
     objects to (it returns a reason) gets a refusal and raises `LaneHandshakeError`.
+
+    ``hello_timeout`` bounds everything the client sends (hello, nonce and proof), so a peer
+    that connects and stalls holds the connection for that long at most.
     """
 
+    waiting_for = "hello"
+
     async def read_exactly(n: int, what: str) -> bytes:
+        nonlocal waiting_for
+        waiting_for = what
         buf = bytearray()
         while len(buf) < n:
             data = await stream.receive_some(n - len(buf))
@@ -354,7 +363,7 @@ async def server_handshake(
                     raise LaneHandshakeError(f"refused {peer}: wrong lane secret")
     except trio.TooSlowError as exc:
         raise LaneHandshakeError(
-            f"{peer} did not finish its hello within {hello_timeout:g}s"
+            f"{peer} did not send its {waiting_for} within {hello_timeout:g}s"
         ) from exc
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc

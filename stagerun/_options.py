@@ -7,6 +7,7 @@ import argparse
 import math
 from typing import Any
 
+from ._framed import DEFAULT_HANDSHAKE_TIMEOUT
 from ._speculative import SpeculationConfig
 
 __all__ = ["build_parser", "recovery_from_args", "speculation_from_args"]
@@ -41,6 +42,16 @@ def _delays(text: str) -> list[float]:
     if not delays or not all(math.isfinite(d) and d >= 0 for d in delays):
         raise argparse.ArgumentTypeError("hop delays must be milliseconds, 0 or more")
     return delays
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (0 < value < math.inf):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
 
 
 def _png_option(p: argparse.ArgumentParser, what: str) -> None:
@@ -286,6 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stage.add_argument("--threads", type=int, default=None)
     stage.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
+    stage.add_argument(
+        "--handshake-timeout",
+        type=_seconds,
+        default=DEFAULT_HANDSHAKE_TIMEOUT,
+        metavar="SECS",
+        help="drop a connection that has not finished its side of the lane handshake (hello; "
+        f"with a secret, nonce and proof) within SECS (default {DEFAULT_HANDSHAKE_TIMEOUT:g})",
+    )
     _link_options(stage)
     _secret_option(stage)
     _telemetry_options(stage)

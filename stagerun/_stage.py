@@ -16,8 +16,10 @@ reaches stage 0 at once.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import math
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,7 +28,13 @@ import trio
 from . import _proto, plugins
 from ._auth import SECRET_FILE_ENV, is_loopback, lane_secret
 from ._errors import LaneError, LaneHandshakeError, StageError
-from ._framed import NO_EMULATION, FrameStream, LinkEmulation, server_handshake
+from ._framed import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    NO_EMULATION,
+    FrameStream,
+    LinkEmulation,
+    server_handshake,
+)
 from ._lanes import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
 from ._stage_lane import LaneWorker
 from .transports import parse_address
@@ -78,6 +86,8 @@ class StageServer:
         downstream: address of the next stage, or None on the last stage; several addresses
             separated by commas are the next stage and its standbys, tried in order.
         wire_dtype: activation dtype used when forwarding downstream.
+        handshake_timeout: seconds a connecting peer has to send its hello (and, with a lane
+            secret, its nonce and proof); a peer that stalls is dropped after that.
     """
 
     def __init__(
@@ -89,7 +99,12 @@ class StageServer:
         wire_dtype: _proto.ActivationDType = "f32",
         link: LinkEmulation = NO_EMULATION,
         secret: bytes | EnvSecret | None = ENV_SECRET,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
+        if not (0 < handshake_timeout < math.inf):
+            raise ValueError(
+                f"handshake_timeout must be a positive number of seconds, got {handshake_timeout}"
+            )
         if downstream is None and not backend.is_last:
             lo, hi = backend.layers
             raise ValueError(
@@ -105,6 +120,7 @@ class StageServer:
         self.wire_dtype = wire_dtype
         self.link = link
         self.secret = lane_secret() if isinstance(secret, EnvSecret) else secret
+        self.handshake_timeout = handshake_timeout
         self.address: str | None = None
         self.reply_timeout = stage_reply_timeout()
         self.refused = 0  # connections turned down in the handshake
@@ -116,13 +132,23 @@ class StageServer:
         self.computes = 0
         self.stale_dropped = 0  # stale windows dropped before their compute started
         self.stale_stopped = 0  # stale windows whose compute stopped at a layer boundary
+        # ... and the layer each stopped before (strictly inside this stage's layers)
+        self.stale_stopped_layers: collections.Counter[int] = collections.Counter()
+        self._workers: set[LaneWorker] = set()
 
     def __repr__(self) -> str:
         lo, hi = self.backend.layers
         return (
             f"<StageServer index={self.index} layers={lo}..{hi} address={self.address} "
-            f"lanes={self.lanes_open} sinks={len(self._sinks)} computes={self.computes}>"
+            f"lanes={self.lanes_open} sinks={len(self._sinks)} sessions={self.sessions_open} "
+            f"computes={self.computes} stale_dropped={self.stale_dropped} "
+            f"stale_stopped={self.stale_stopped}>"
         )
+
+    @property
+    def sessions_open(self) -> int:
+        """Requests configured on this stage's open lanes and not yet stopped."""
+        return sum(len(worker.sessions) for worker in self._workers)
 
     async def serve(
         self,
@@ -158,7 +184,12 @@ class StageServer:
     async def _on_connection(self, stream: trio.abc.Stream, peer: str) -> None:
         try:
             framed, hello = await server_handshake(
-                stream, peer=peer, check=self._check_hello, link=self.link, secret=self.secret
+                stream,
+                peer=peer,
+                hello_timeout=self.handshake_timeout,
+                check=self._check_hello,
+                link=self.link,
+                secret=self.secret,
             )
         except LaneHandshakeError as exc:
             self.refused += 1
@@ -169,13 +200,16 @@ class StageServer:
             await self._park_sink(framed, hello.key)
         else:
             self.lanes_open += 1
+            worker = LaneWorker(self, framed)
+            self._workers.add(worker)
             try:
-                await LaneWorker(self, framed).run()
+                await worker.run()
             except Exception:
                 # A bug in one lane must not take the stage down: that lane is closed (its
                 # chain collapses and stage 0 replaces it); the other lanes carry on.
                 log.exception("stage %d: lane from %s failed", self.index, peer)
             finally:
+                self._workers.discard(worker)
                 self.lanes_open -= 1
 
     async def _park_sink(self, framed: FrameStream, key: int) -> None:
@@ -234,13 +268,20 @@ async def serve_stage(
     listen: str = "tcp://127.0.0.1:0",
     wire_dtype: _proto.ActivationDType = "f32",
     link: LinkEmulation = NO_EMULATION,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one stage on ``listen`` until cancelled.
 
     ``await nursery.start(serve_stage, ...)`` gives the address it really listens on.
+    ``handshake_timeout`` is `StageServer`'s.
     """
     server = StageServer(
-        backend, index=index, downstream=downstream, wire_dtype=wire_dtype, link=link
+        backend,
+        index=index,
+        downstream=downstream,
+        wire_dtype=wire_dtype,
+        link=link,
+        handshake_timeout=handshake_timeout,
     )
     await server.serve(listen, task_status=task_status)
