@@ -11,8 +11,11 @@ them from ``--tls-cert``, ``--tls-key`` and ``--tls-ca``):
 ==========================  ==========================================================
 
 The client checks the certificate against the host in the address (an IP address needs an IP
-subjectAltName), TLS 1.2 at least. TLS protects the activations and tokens on the wire; the
-lane secret (`stagerun._auth`) still decides who may connect, and works over TLS unchanged.
+subjectAltName) and requires TLS 1.2 at least; so does the server, so a peer that offers only
+TLS 1.1 or older gets no handshake either way. A failed check is one sentence that names the
+address and what to fix (`handshake_failure`). TLS protects the activations and tokens on the
+wire; the lane secret (`stagerun._auth`) still decides who may connect, and works over TLS
+unchanged.
 
 The server sends no TLS 1.3 session tickets (``num_tickets = 0``): a pooled lane is declared
 dead when unsolicited bytes wait on its socket, and a ticket arriving after the handshake
@@ -42,6 +45,8 @@ CERT_ENV = "STAGERUN_TLS_CERT"
 KEY_ENV = "STAGERUN_TLS_KEY"
 CA_ENV = "STAGERUN_TLS_CA"
 HANDSHAKE_SECONDS = 10.0
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH.
+_NAME_MISMATCH = (62, 64)
 
 
 def server_context(environ: Mapping[str, str] | None = None) -> ssl.SSLContext:
@@ -80,6 +85,28 @@ def client_context(environ: Mapping[str, str] | None = None) -> ssl.SSLContext:
         raise ValueError(f"cannot load the TLS authorities {ca}: {exc}") from None
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
+
+
+def handshake_failure(where: str, host: str, exc: BaseException) -> str:
+    """The sentence for a client-side TLS handshake with ``where`` (for ``host``) that failed."""
+    cause = exc.__cause__ or exc
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        if cause.verify_code in _NAME_MISMATCH:
+            return (
+                f"TLS handshake with {where} failed: its certificate is not valid for {host}; "
+                "connect by a name the certificate lists, or give the stage a certificate "
+                f"for {host}"
+            )
+        return (
+            f"TLS handshake with {where} failed: its certificate is not trusted "
+            f"({cause.verify_message}); give the authority that issued it with --tls-ca"
+        )
+    if isinstance(cause, ssl.SSLEOFError):
+        return (
+            f"TLS handshake with {where} failed: it closed the connection "
+            "(does it serve TLS 1.2 or later?)"
+        )
+    return f"TLS handshake with {where} failed: {cause}"
 
 
 class TlsStream(trio.abc.Stream):
@@ -141,8 +168,7 @@ class TlsTransport(Transport):
                 f"could not connect to {where} (TLS) within {timeout:g}s"
             ) from exc
         except trio.BrokenResourceError as exc:
-            cause = exc.__cause__ or exc
-            raise LaneHandshakeError(f"TLS handshake with {where} failed: {cause}") from exc
+            raise LaneHandshakeError(handshake_failure(where, host, exc)) from exc
         except OSError as exc:
             raise LaneHandshakeError(
                 f"could not connect to {where}: {exc.strerror or exc}"
