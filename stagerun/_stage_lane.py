@@ -9,6 +9,14 @@ chain's return connection. A message that expects an ``Ack`` is forwarded and th
 on; a relay task acknowledges upstream when the downstream acknowledges, merging this stage's
 stats. When the upstream goes away, the worker drops its sessions and closes its downstream
 (and the bound return connection), so the break travels down the chain.
+
+A frame that no honest upstream sends -- a malformed one, a reply kind, a request over the
+lane's session limit -- is a `ProtocolError`: the lane closes and the stage counts it
+(``protocol_errors``). A well-formed request that cannot be carried out (an unknown request,
+a gap in the positions, activations of the wrong width or not finite) is answered with an
+``Error`` and the lane carries on. What one lane holds is bounded: at most
+`MAX_SESSIONS_PER_LANE` sessions (a lane carries one request at a time), and a ``Cancel``
+leaves nothing behind but its effect on the windows it names that this stage holds.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 import numpy as np
@@ -44,6 +52,7 @@ __all__ = ["LaneWorker", "Session"]
 log = logging.getLogger("stagerun.stage")
 
 DOWNSTREAM_CONNECT_SECONDS = 30.0
+MAX_SESSIONS_PER_LANE = 4  # stage 0 runs one request per lane; a little slack, never more
 
 
 @attrs.define
@@ -92,7 +101,10 @@ class LaneWorker:
         self._queue: deque[_proto.Frame] = deque()
         self._wakeup = trio.Event()
         self._upstream_closed = False
-        self._cancelled: dict[int, set[int]] = {}  # request id -> cancelled window ids
+        # The verify window being carried out (from its dispatch to the end of its compute),
+        # and whether a Cancel named it meanwhile: its compute stops at the next layer.
+        self._current: _proto.Verify | None = None
+        self._current_cancelled = False
         self._replied: dict[int, set[int]] = {}  # last stage: windows already answered
         # Acks owed upstream, in order: the downstream acks them first (see _relay_acks).
         self._owed: deque[_OwedAck] = deque()
@@ -105,10 +117,11 @@ class LaneWorker:
                 nursery.start_soon(self._read_upstream)
                 await self._work()
                 nursery.cancel_scope.cancel()
-        except LaneError as exc:
-            if isinstance(exc.__cause__, ProtocolError):
-                self.server.protocol_errors += 1
-            log.info("stage %d: lane from %s ended: %s", self.server.index, self.up.peer, exc)
+        except* LaneError as group:  # a nursery wraps whatever its tasks raise
+            for exc in group.exceptions:
+                if isinstance(exc.__cause__, ProtocolError):
+                    self.server.protocol_errors += 1
+                log.info("stage %d: lane from %s ended: %s", self.server.index, self.up.peer, exc)
         finally:
             self.sessions.clear()
             with trio.CancelScope(shield=True):
@@ -153,32 +166,51 @@ class LaneWorker:
                     return
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
-            await self._dispatch(self._queue.popleft())
+            try:
+                await self._dispatch(self._queue.popleft())
+            except ProtocolError as exc:  # the upstream is out of step: this lane is over
+                self.server.protocol_errors += 1
+                log.info("stage %d: lane from %s: %s", self.server.index, self.up.peer, exc)
+                return
 
     def _apply_cancel(self, cancel: _proto.Cancel) -> None:
-        cancelled = self._cancelled.setdefault(cancel.request_id, set())
-        cancelled.update(cancel.window_ids)
+        """Drop the named windows still queued; flag the one being computed, if named.
+
+        Stage 0 cancels only windows it has sent, and the lane is ordered, so by the time a
+        ``Cancel`` is read every window it names is queued, being carried out, done, or was
+        dropped upstream and never comes: nothing needs remembering for later (so Cancels
+        cannot grow the lane, whatever they name).
+        """
+        named = frozenset(cancel.window_ids)
+
+        def stale(message: _proto.Message) -> bool:
+            return (
+                isinstance(message, _proto.Verify)
+                and message.request_id == cancel.request_id
+                and message.window_id in named
+            )
+
         kept: deque[_proto.Frame] = deque()
         for frame in self._queue:
-            if self._is_cancelled(frame.message):
+            if stale(frame.message):
                 self.server.stale_dropped += 1
             else:
                 kept.append(frame)
         self._queue = kept
-
-    def _is_cancelled(self, message: _proto.Message) -> bool:
-        return isinstance(message, _proto.Verify) and message.window_id in self._cancelled.get(
-            message.request_id, ()
-        )
+        if self._current is not None and stale(self._current):
+            self._current_cancelled = True
 
     async def _downstream(self, *, fresh_session: bool = False) -> FrameStream:
         """The next hop; opened on first use.
 
         At the start of a request (``fresh_session``) a downstream connection that died while
         the lane was idle (the next stage restarted, say) is replaced: no state is lost,
-        since the request has none yet. Mid-request a broken hop stays broken.
+        since the request has none yet. Mid-request a broken hop stays broken. A hop that
+        still owes acks is not idle: the bytes waiting on it are those acks, not a sign of
+        death (replacing it would lose them and pair every later ack with the wrong message).
         """
-        if self.down is not None and fresh_session and not self.down.is_live():
+        idle = not self._owed
+        if self.down is not None and fresh_session and idle and not self.down.is_live():
             await self.down.aclose_forcefully()
             self.down = None
         if self.down is None:
@@ -192,6 +224,15 @@ class LaneWorker:
         message = frame.message
         match message:
             case _proto.Configure():
+                if (
+                    message.request_id not in self.sessions
+                    and len(self.sessions) >= MAX_SESSIONS_PER_LANE
+                ):
+                    raise ProtocolError(
+                        f"Configure for request {message.request_id} would open more than "
+                        f"{MAX_SESSIONS_PER_LANE} requests on one lane; a lane carries one "
+                        "request at a time"
+                    )
                 if self.server.is_last:
                     try:
                         self.sink = await self.server.take_sink(message.return_key)
@@ -216,13 +257,16 @@ class LaneWorker:
                 ended = self.sessions.pop(message.request_id, None)
                 if ended is not None:
                     self._summarize(message.request_id, ended)
-                self._cancelled.pop(message.request_id, None)
                 self._replied.pop(message.request_id, None)
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
             case _proto.Cancel():
                 await self._cancel(message)
+            case _proto.Ack() | _proto.Predictions() | _proto.Cancelled() | _proto.Error():
+                raise ProtocolError(
+                    f"{type(message).__name__} is a reply; the upstream of a lane sends requests"
+                )
             case _:
-                raise LaneError(f"{type(message).__name__} is not a request a stage accepts")
+                assert_never(message)
 
     def _compute_attributes(
         self, message: _proto.Prefill | _proto.Decode | _proto.Verify
@@ -253,6 +297,10 @@ class LaneWorker:
                 "llama_stage.forward_write_ms": session.forward_write_us / 1000.0,
                 "llama_stage.stale_dropped": self.server.stale_dropped,
                 "llama_stage.stale_stopped": self.server.stale_stopped,
+                "llama_stage.stale_stopped_layers": {
+                    str(layer): count
+                    for layer, count in sorted(self.server.stale_stopped_layers.items())
+                },
             },
         )
 
@@ -340,45 +388,44 @@ class LaneWorker:
                 upstream=fail_upstream,
             )
             return
-        if self._is_cancelled(message):
-            server.stale_dropped += 1  # cancelled before this stage got to it
-            return
         backend = server.backend
         tokens = np.asarray(message.tokens, dtype=np.int64)
         rows: str = "all" if isinstance(message, _proto.Verify) else "last"
-        should_stop = (lambda: self._is_cancelled(message)) if rows == "all" else None
+        stop = _StopCheck(self) if isinstance(message, _proto.Verify) else None
 
         def run() -> np.ndarray[Any, Any]:
-            return backend.forward(
-                session.cache,
-                message.position,
-                tokens=tokens if backend.is_first else None,
-                hidden=None if backend.is_first else activations,
-                logits=rows,
-                should_stop=should_stop,
-            )
+            # Overflow and NaN are refused below, as one plain error, not warned about.
+            with np.errstate(all="ignore"):
+                out = backend.forward(
+                    session.cache,
+                    message.position,
+                    tokens=tokens if backend.is_first else None,
+                    hidden=None if backend.is_first else activations,
+                    logits=rows,
+                    should_stop=stop,
+                )
+            if not np.isfinite(out).all():
+                lo, hi = backend.layers
+                raise ValueError(
+                    f"layers {lo}..{hi - 1} computed values that are not finite (NaN or "
+                    "infinity) from these activations."
+                )
+            return out
 
+        if isinstance(message, _proto.Verify):
+            self._current, self._current_cancelled = message, False
         start = time.perf_counter()
         try:
             out = await server.compute(run)
         except ComputeCancelled:
-            server.stale_stopped += 1  # went stale while computing; stopped at a layer
-            tel = telemetry.current()
-            if tel.debug_enabled:
-                stopped_us = _us_since(start)
-                tel.debug_span(
-                    "stage.binary_llama_decode",
-                    now_ns() - stopped_us * 1000,
-                    {
-                        **self._compute_attributes(message),
-                        "llama_stage.compute_stopped": True,
-                        "llama_stage.elapsed_ms": stopped_us / 1000.0,
-                    },
-                )
+            assert stop is not None, "only a verify window's compute is ever stopped"
+            self._count_stopped(message, stop.layers_done, _us_since(start))
             return
         except (ValueError, StagerunError) as exc:
             await self._fail(message.request_id, f"compute failed: {exc}", upstream=fail_upstream)
             return
+        finally:
+            self._current = None
         compute_us = _us_since(start)
         session.messages += 1
         session.computes += 1
@@ -443,6 +490,36 @@ class LaneWorker:
             timeout=server.reply_timeout,
         )
 
+    def _count_stopped(
+        self, message: _proto.Prefill | _proto.Decode | _proto.Verify, layers_done: int, us: int
+    ) -> None:
+        """Count a stale compute that stopped at a layer boundary, and where it stopped.
+
+        ``layers_done`` layers ran, so the compute stopped before layer ``lo + layers_done``.
+        Before the first layer nothing was computed: that window was dropped before it
+        started, like one still queued. Otherwise it stopped part-way, strictly inside the
+        stage's layers, and that layer is counted in ``stale_stopped_layers``.
+        """
+        server = self.server
+        layer = server.backend.layers[0] + layers_done
+        if layers_done == 0:
+            server.stale_dropped += 1
+        else:
+            server.stale_stopped += 1
+            server.stale_stopped_layers[layer] += 1
+        tel = telemetry.current()
+        if tel.debug_enabled:
+            tel.debug_span(
+                "stage.binary_llama_decode",
+                now_ns() - us * 1000,
+                {
+                    **self._compute_attributes(message),
+                    "llama_stage.compute_stopped": True,
+                    "llama_stage.compute_stopped_layer": layer,
+                    "llama_stage.elapsed_ms": us / 1000.0,
+                },
+            )
+
     async def _fail(self, request_id: int, text: str, *, upstream: bool) -> None:
         """Report a failure to stage 0: upstream for acked work, else on the return path."""
         error = _proto.Error(
@@ -451,6 +528,26 @@ class LaneWorker:
         log.warning("stage %d: %s", self.server.index, text)
         target = self.up if upstream or self.sink is None else self.sink
         await target.send(error, timeout=self.server.reply_timeout)
+
+
+class _StopCheck:
+    """``should_stop`` for one verify window's compute: True once a ``Cancel`` named it.
+
+    It counts the polls that let the compute go on. The built-in backends poll once before
+    each layer, so when a stop comes that count is the number of layers already computed (a
+    plugin that polls only between layers, as `stagerun.testing.check_backend` allows, has
+    its stops reported one layer early).
+    """
+
+    def __init__(self, worker: LaneWorker) -> None:
+        self._worker = worker
+        self.layers_done = 0
+
+    def __call__(self) -> bool:
+        if self._worker._current_cancelled:
+            return True
+        self.layers_done += 1
+        return False
 
 
 async def _connect_with_retry(address: str, link: LinkEmulation) -> FrameStream:

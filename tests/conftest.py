@@ -42,6 +42,12 @@ def smollm2_backend(smollm2: ModelFile) -> NumpyBackend:
     return NumpyBackend(smollm2, threads=2)
 
 
+@pytest.fixture(scope="session")
+def last_stage_backend(tiny_model: ModelFile) -> NumpyBackend:
+    """The tiny model's blocks 2..4 and its head: a last stage."""
+    return NumpyBackend(tiny_model, (2, tiny_model.config.n_layers))
+
+
 KillableStage = Callable[[trio.Nursery], Awaitable[tuple[str, trio.CancelScope]]]
 
 

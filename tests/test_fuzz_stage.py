@@ -5,6 +5,8 @@ a handful of hostile connections at it, then checks that it is still up: an hone
 completes a prefill and gets its prediction. Hostile input ends only its own connection, as a
 refused handshake or a lane closed for a `ProtocolError`; nothing is computed from it, and no
 announced length makes the stage wait for (or buffer) more than the frame limits allow.
+
+`test_fuzz_lane.py` goes past the handshake, to the stage's message handling and compute.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import struct
 import numpy as np
 import pytest
 import trio
+from _stage_client import honest_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +24,6 @@ from stagerun import _proto as proto
 from stagerun._lanes import open_connection
 from stagerun._stage import StageServer
 from stagerun.backends import NumpyBackend
-from stagerun.model import ModelFile
 
 HELLO = proto.encode_hello(proto.Role.LANE)
 
@@ -63,11 +65,6 @@ hostile_payloads = st.one_of(
 )
 
 
-@pytest.fixture(scope="module")
-def last_stage_backend(tiny_model: ModelFile) -> NumpyBackend:
-    return NumpyBackend(tiny_model, (2, tiny_model.config.n_layers))
-
-
 @settings(
     max_examples=25,
     deadline=None,
@@ -106,36 +103,11 @@ def test_a_live_stage_survives_hostile_connections(
                 finally:
                     await trio.aclose_forcefully(stream)
             # Still up: an honest lane gets a prediction for a real prefill.
-            await _honest_request(address, backend)
+            await honest_request(address, backend)
             assert server.computes == 1, "hostile input reached the backend"
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-
-
-async def _honest_request(address: str, backend: NumpyBackend) -> None:
-    key = 99
-    back = await open_connection(
-        address, role=proto.Role.RETURN, key=key, connect_timeout=2, ready_timeout=2
-    )
-    lane = await open_connection(address, role=proto.Role.LANE, connect_timeout=2, ready_timeout=2)
-    try:
-        with trio.fail_after(10):
-            configure = proto.Configure(
-                request_id=1, return_key=key, prompt_len=3, sampling=proto.SamplingParams()
-            )
-            await lane.send(configure, timeout=5)
-            assert isinstance((await lane.receive(timeout=5)).message, proto.Ack)
-            hidden = np.zeros((3, backend.d_model), np.float32)
-            prefill = proto.Prefill(
-                request_id=1, chunk_index=0, position=0, tokens=(1, 2, 3), predict=True
-            )
-            await lane.send(prefill, hidden, "f32", timeout=5)
-            reply = (await back.receive(timeout=5)).message
-            assert isinstance(reply, proto.Predictions) and len(reply.tokens) == 1
-    finally:
-        await lane.aclose_forcefully()
-        await back.aclose_forcefully()
 
 
 def test_malformed_frames_are_counted_as_protocol_errors(last_stage_backend: NumpyBackend) -> None:
@@ -153,7 +125,7 @@ def test_malformed_frames_are_counted_as_protocol_errors(last_stage_backend: Num
                 await trio.aclose_forcefully(stream)
             await trio.sleep(0.1)
             assert server.protocol_errors == 2
-            await _honest_request(address, last_stage_backend)
+            await honest_request(address, last_stage_backend)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -29,7 +29,8 @@ def stage_input(
 
     Raises:
         ValueError: the wrong input for the stage's place, an empty or non-integer token list,
-            an id outside the vocabulary, or hidden states of the wrong shape.
+            an id outside the vocabulary, or hidden states of the wrong shape or holding NaN
+            or infinity (a compute on them could only give garbage).
     """
     if first:
         if tokens is None or hidden is not None:
@@ -45,6 +46,13 @@ def stage_input(
     h = np.array(hidden, dtype=np.float32, copy=True)
     if h.ndim != 2 or h.shape[0] == 0 or h.shape[1] != d_model:
         raise ValueError(f"`hidden` must be [T, {d_model}] with T >= 1, not {h.shape}.")
+    finite = np.isfinite(h)
+    if not finite.all():
+        row, col = (int(i) for i in np.argwhere(~finite)[0])
+        raise ValueError(
+            f"`hidden` holds {h[row, col]} at row {row}, column {col}: activations must be "
+            "finite (f16 overflows to infinity beyond +-65504; send such activations as f32)."
+        )
     return h
 
 
