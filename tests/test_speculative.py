@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import attrs
 import pytest
 import trio
 
-from stagerun import SamplingParams, StageServer, _proto, open_pipeline, split_layers
+from stagerun import SamplingParams, StageServer, _proto, open_pipeline, split_layers, telemetry
 from stagerun._speculative import DepthControl, PaceCheck, SpeculationConfig
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import OracleDrafter
@@ -40,6 +41,7 @@ async def test_every_depth_and_drafter_matches_plain_decoding(
 ) -> None:
     async with open_pipeline(tiny, stages=3) as pipeline:
         plain = await pipeline.complete(PROMPT, max_tokens=32, sampling=sampling)
+        assert len(set(plain.token_ids)) >= 8, plain.token_ids  # a varied oracle
         reference = plain.prompt_token_ids + plain.token_ids
         for depth in (1, 2, 4, 8):
             config = SpeculationConfig("ngram", depth=depth, window=4)
@@ -62,6 +64,7 @@ async def test_every_depth_and_drafter_matches_plain_decoding(
 async def test_one_stage_speculation_matches(tiny: Path) -> None:
     async with open_pipeline(tiny, stages=1) as pipeline:
         plain = await pipeline.complete(PROMPT, max_tokens=24, sampling=SAMPLED)
+        assert len(set(plain.token_ids)) >= 8, plain.token_ids  # a varied oracle
         drafter = OracleDrafter(
             plain.prompt_token_ids + plain.token_ids,
             error_rate=0.3,
@@ -100,6 +103,7 @@ async def test_timings_carry_speculative_keys(tiny: Path) -> None:
 async def test_stop_strings_end_speculation_cleanly(tiny: Path) -> None:
     async with open_pipeline(tiny, stages=3) as pipeline:
         plain = await pipeline.complete(PROMPT, max_tokens=24, sampling=SAMPLED)
+        assert len(set(plain.token_ids)) >= 8, plain.token_ids  # a varied oracle
         stop = plain.text[5:8]
         expected = plain.text[: plain.text.index(stop)]
         result = await pipeline.complete(
@@ -149,6 +153,7 @@ async def test_stages_drop_queued_stale_windows_and_stop_stale_computes(
         tiny, layers=ranges, remote=[s.address for s in servers if s.address]
     ) as pipeline:
         plain = await pipeline.complete(PROMPT, max_tokens=20, sampling=SAMPLED)
+        assert len(set(plain.token_ids)) >= 8, plain.token_ids  # a varied oracle
         plain_computes = [s.computes for s in servers]
         drafter = OracleDrafter(
             plain.prompt_token_ids + plain.token_ids,
@@ -179,6 +184,7 @@ async def test_draft_model_drafter_end_to_end(tiny: Path) -> None:
     config = SpeculationConfig("draft-model", depth=4, window=4, draft_model=str(tiny))
     async with open_pipeline(tiny, stages=3) as pipeline:
         plain = await pipeline.complete(PROMPT, max_tokens=24)
+        assert len(set(plain.token_ids)) >= 8, plain.token_ids  # a varied oracle
         first = await pipeline.complete(PROMPT, max_tokens=24, speculation=config)
         second = await pipeline.complete(PROMPT, max_tokens=24, speculation=config)
     assert first.token_ids == second.token_ids == plain.token_ids
@@ -227,3 +233,108 @@ def test_pace_check_compares_committed_rate_with_a_plain_step() -> None:
     assert pace.shortest_round_trip_ms == 100.0
     assert pace.slower_than_plain(2, 250.0)  # 8 tokens/s
     assert not pace.slower_than_plain(5, 250.0)  # 20 tokens/s
+
+
+class LayerDelayBackend:
+    """A real backend whose every layer takes ``per_layer_s`` longer, through ``should_stop``.
+
+    The stage's ``should_stop`` is polled once before each layer, as the real backend does;
+    when it says go on, the layer that follows takes the delay. So a stale window whose
+    ``Cancel`` arrives before the first poll computes nothing, and one whose ``Cancel`` arrives
+    later stops after at least one layer: which of the two happens depends on when the
+    ``Cancel`` arrives, but with tens of milliseconds per layer both keep happening.
+    """
+
+    def __init__(self, inner: NumpyBackend, per_layer_s: float) -> None:
+        self.inner = inner
+        self.per_layer_s = per_layer_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, cache: Any, position: int, **kw: Any) -> Any:
+        should_stop = kw.get("should_stop")
+
+        def poll() -> bool:
+            if should_stop is not None and should_stop():
+                return True
+            time.sleep(self.per_layer_s)  # the layer about to run
+            return False
+
+        kw["should_stop"] = poll
+        return self.inner.forward(cache, position, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny9(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Nine layers: three per stage, so a stop can land strictly inside a stage's layers."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny9") / "tiny.gguf", n_layers=9)
+
+
+async def test_stale_windows_are_dropped_before_starting_or_stopped_at_a_named_layer(
+    tiny9: Path, nursery: trio.Nursery
+) -> None:
+    ranges = split_layers(9, 3)
+    servers: list[StageServer] = []
+    downstream: str | None = None
+    for index in (2, 1):
+        backend = LayerDelayBackend(NumpyBackend(tiny9, ranges[index]), per_layer_s=0.02)
+        server = StageServer(backend, index=index, downstream=downstream)  # type: ignore[arg-type]
+        downstream = await nursery.start(server.serve)
+        servers.insert(0, server)
+    recorder = telemetry.Telemetry("debug", [], capacity=100_000)
+    previous = telemetry.set_current(recorder)
+    try:
+        async with open_pipeline(
+            tiny9, layers=ranges, remote=[s.address for s in servers if s.address]
+        ) as pipeline:
+            plain = await pipeline.complete(PROMPT, max_tokens=16, sampling=SAMPLED)
+            assert len(set(plain.token_ids)) >= 8, plain.token_ids  # an oracle that can fail
+            assert all(s.stale_dropped == s.stale_stopped == 0 for s in servers)
+            drafter = OracleDrafter(
+                plain.prompt_token_ids + plain.token_ids,
+                error_rate=1.0,  # every epoch's first draft is wrong: its later windows go stale
+                vocab_size=pipeline.config.vocab_size,
+            )
+            result = await pipeline.complete(
+                PROMPT,
+                max_tokens=16,
+                sampling=SAMPLED,
+                speculation=SpeculationConfig("ngram", depth=4, window=2, adaptive=False),
+                drafter=drafter,
+            )
+        records = recorder.take()
+    finally:
+        telemetry.set_current(previous)
+    assert result.token_ids == plain.token_ids
+    timings = result.timings
+    # Stage 0 accounted for every window it marked stale: answered anyway, or Cancelled.
+    marked = timings["verify_window_stale_marked"]
+    assert marked == timings["verify_window_stale_discarded"] > 0
+    dropped = sum(s.stale_dropped for s in servers)
+    stopped = sum(s.stale_stopped for s in servers)
+    layers = {s.index: dict(sorted(s.stale_stopped_layers.items())) for s in servers}
+    print(
+        f"opened={timings['verify_window_opened']} stale_marked={marked} dropped={dropped} "
+        f"stopped={stopped} stopped_at_layers={layers} "
+        f"per_stage={[(s.index, s.stale_dropped, s.stale_stopped) for s in servers]}"
+    )
+    assert dropped > 0, "no stale window was dropped before it started"
+    assert stopped > 0, "no stale compute was stopped part-way"
+    # A window stopped (or dropped) by one stage never reaches the next: at most one each.
+    assert dropped + stopped <= marked
+    stopped_spans = collections.Counter(
+        (r.attributes["llama_stage.stage_index"], r.attributes["llama_stage.compute_stopped_layer"])
+        for r in records
+        if r.name == "stage.binary_llama_decode" and r.attributes.get("llama_stage.compute_stopped")
+    )
+    for server in servers:
+        lo, hi = server.backend.layers
+        # Part-way: after at least one of the stage's layers, before its last one.
+        assert all(lo < layer < hi for layer in server.stale_stopped_layers), (lo, hi, layers)
+        assert sum(server.stale_stopped_layers.values()) == server.stale_stopped
+        # Each stopped compute's span names the layer it stopped before; a stop before the
+        # first layer names the stage's first layer and was counted as dropped.
+        spans = {layer: n for (i, layer), n in stopped_spans.items() if i == server.index}
+        assert {k: n for k, n in spans.items() if k != lo} == dict(server.stale_stopped_layers)
+        assert spans.get(lo, 0) <= server.stale_dropped
