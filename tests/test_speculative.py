@@ -117,8 +117,15 @@ async def test_stop_strings_end_speculation_cleanly(tiny: Path) -> None:
         assert pipeline.pool is not None and pipeline.pool.replaced == 0
 
 
-class SlowBackend:
-    """A real backend whose every layer takes a while, so windows queue up at stages."""
+class LayerDelayBackend:
+    """A real backend whose every layer takes ``per_layer_s`` longer, through ``should_stop``.
+
+    The stage's ``should_stop`` is polled once before each layer, as the real backend does;
+    when it says go on, the layer that follows takes the delay. So a stale window whose
+    ``Cancel`` arrives before the first poll computes nothing, and one whose ``Cancel`` arrives
+    later stops after at least one layer: which of the two happens depends on when the
+    ``Cancel`` arrives, but with tens of milliseconds per layer both keep happening.
+    """
 
     def __init__(self, inner: NumpyBackend, per_layer_s: float) -> None:
         self.inner = inner
@@ -130,25 +137,35 @@ class SlowBackend:
     def forward(self, cache: Any, position: int, **kw: Any) -> Any:
         should_stop = kw.get("should_stop")
 
-        def slow_stop() -> bool:
-            time.sleep(self.per_layer_s)
-            return bool(should_stop and should_stop())
+        def poll() -> bool:
+            if should_stop is not None and should_stop():
+                return True
+            time.sleep(self.per_layer_s)  # the layer about to run
+            return False
 
-        kw["should_stop"] = slow_stop
+        kw["should_stop"] = poll
         return self.inner.forward(cache, position, **kw)
+
+
+async def start_slow_stages(
+    nursery: trio.Nursery, model: Path, ranges: list[tuple[int, int]], per_layer_s: float
+) -> list[StageServer]:
+    """Stage servers for ``ranges[1:]`` (last first), every layer slowed by ``per_layer_s``."""
+    servers: list[StageServer] = []
+    downstream: str | None = None
+    for index in range(len(ranges) - 1, 0, -1):
+        backend = LayerDelayBackend(NumpyBackend(model, ranges[index]), per_layer_s)
+        server = StageServer(backend, index=index, downstream=downstream)  # type: ignore[arg-type]
+        downstream = await nursery.start(server.serve)
+        servers.insert(0, server)
+    return servers
 
 
 async def test_stages_drop_queued_stale_windows_and_stop_stale_computes(
     tiny: Path, nursery: trio.Nursery
 ) -> None:
     ranges = split_layers(6, 3)
-    servers: list[StageServer] = []
-    downstream: str | None = None
-    for index in (2, 1):
-        backend = SlowBackend(NumpyBackend(tiny, ranges[index]), per_layer_s=0.01)
-        server = StageServer(backend, index=index, downstream=downstream)  # type: ignore[arg-type]
-        downstream = await nursery.start(server.serve)
-        servers.insert(0, server)
+    servers = await start_slow_stages(nursery, tiny, ranges, per_layer_s=0.01)
     async with open_pipeline(
         tiny, layers=ranges, remote=[s.address for s in servers if s.address]
     ) as pipeline:
@@ -235,36 +252,6 @@ def test_pace_check_compares_committed_rate_with_a_plain_step() -> None:
     assert not pace.slower_than_plain(5, 250.0)  # 20 tokens/s
 
 
-class LayerDelayBackend:
-    """A real backend whose every layer takes ``per_layer_s`` longer, through ``should_stop``.
-
-    The stage's ``should_stop`` is polled once before each layer, as the real backend does;
-    when it says go on, the layer that follows takes the delay. So a stale window whose
-    ``Cancel`` arrives before the first poll computes nothing, and one whose ``Cancel`` arrives
-    later stops after at least one layer: which of the two happens depends on when the
-    ``Cancel`` arrives, but with tens of milliseconds per layer both keep happening.
-    """
-
-    def __init__(self, inner: NumpyBackend, per_layer_s: float) -> None:
-        self.inner = inner
-        self.per_layer_s = per_layer_s
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def forward(self, cache: Any, position: int, **kw: Any) -> Any:
-        should_stop = kw.get("should_stop")
-
-        def poll() -> bool:
-            if should_stop is not None and should_stop():
-                return True
-            time.sleep(self.per_layer_s)  # the layer about to run
-            return False
-
-        kw["should_stop"] = poll
-        return self.inner.forward(cache, position, **kw)
-
-
 @pytest.fixture(scope="module")
 def tiny9(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Nine layers: three per stage, so a stop can land strictly inside a stage's layers."""
@@ -275,13 +262,7 @@ async def test_stale_windows_are_dropped_before_starting_or_stopped_at_a_named_l
     tiny9: Path, nursery: trio.Nursery
 ) -> None:
     ranges = split_layers(9, 3)
-    servers: list[StageServer] = []
-    downstream: str | None = None
-    for index in (2, 1):
-        backend = LayerDelayBackend(NumpyBackend(tiny9, ranges[index]), per_layer_s=0.02)
-        server = StageServer(backend, index=index, downstream=downstream)  # type: ignore[arg-type]
-        downstream = await nursery.start(server.serve)
-        servers.insert(0, server)
+    servers = await start_slow_stages(nursery, tiny9, ranges, per_layer_s=0.02)
     recorder = telemetry.Telemetry("debug", [], capacity=100_000)
     previous = telemetry.set_current(recorder)
     try:
