@@ -481,7 +481,17 @@ def build_parser() -> argparse.ArgumentParser:
     _plugin_options(serve)
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-        "(default: $STAGERUN_API_KEY)"
+        "(default: $STAGERUN_API_KEY; an empty key is an error)"
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-tokens-default", type=int, default=None, metavar="N",
+        help="tokens a chat request that names no max_tokens gets (default 512; "
+        "/v1/completions keeps OpenAI's 16)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-tokens-limit", type=int, default=None, metavar="N",
+        help="the most tokens any request generates; a larger max_tokens is cut to it "
+        "(default 4096)",
     )  # fmt: skip
     plugins_cmd = sub.add_parser(
         "plugins", help="list installed transports, backends and drafters, and broken ones"

@@ -23,6 +23,7 @@ from hypercorn.trio import serve
 
 from stagerun import LaneBrokenError, LaneTimeoutError, Pipeline, StageError, open_pipeline
 from stagerun.server import create_app
+from stagerun.server._serve import API_KEY_ENV, ServeError, resolve_api_key
 from stagerun.testing import write_tiny_model
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
@@ -309,3 +310,51 @@ async def test_speculative_pipelines_report_their_timings(tiny: Path) -> None:
             speculation=SpeculationConfig(),
         )  # fmt: skip
         assert reply.json()["choices"][0]["message"]["content"] == plain.text
+
+
+async def test_max_tokens_has_a_server_default_and_a_cap(tiny: Path) -> None:
+    """A chat request without max_tokens gets the default, not the rest of the context."""
+    async with (
+        open_pipeline(tiny, stages=1) as pipeline,
+        http_server(pipeline, max_tokens_default=5, max_tokens_limit=7) as url,
+        httpx.AsyncClient(base_url=url, timeout=60) as client,
+    ):
+
+        async def completion_tokens(path: str, body: dict[str, Any]) -> int:
+            reply = await client.post(path, json=body)
+            assert reply.status_code == 200, reply.text
+            tokens: int = reply.json()["usage"]["completion_tokens"]
+            return tokens
+
+        assert await completion_tokens("/v1/chat/completions", CHAT) == 5  # the default
+        capped = {**CHAT, "max_tokens": 100}
+        assert await completion_tokens("/v1/chat/completions", capped) == 7  # the limit
+        assert await completion_tokens("/v1/chat/completions", {**CHAT, "max_tokens": 6}) == 6
+        text = {"model": "tiny", "prompt": "The lighthouse", "temperature": 0}
+        assert await completion_tokens("/v1/completions", text) == 7  # OpenAI's 16, capped
+    with pytest.raises(ValueError, match=r"default max_tokens \(9\) must be between 1 and"):
+        create_app(pipeline, max_tokens_default=9, max_tokens_limit=8)
+
+
+def test_an_empty_api_key_is_an_error_and_no_key_beyond_loopback_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    for empty in ("", "  "):
+        with pytest.raises(ServeError, match=r"^--api-key is empty"):
+            resolve_api_key(empty, "127.0.0.1")
+    monkeypatch.setenv(API_KEY_ENV, "")
+    with pytest.raises(ServeError, match=r"^\$STAGERUN_API_KEY is empty"):
+        resolve_api_key(None, "0.0.0.0")
+    assert resolve_api_key("k1", "0.0.0.0") == "k1"  # the option wins over the variable
+    monkeypatch.setenv(API_KEY_ENV, "k2")
+    assert resolve_api_key(None, "0.0.0.0") == "k2"
+    monkeypatch.delenv(API_KEY_ENV)
+    caplog.set_level("WARNING", logger="stagerun.serve")
+    for host in ("127.0.0.1", "localhost", "::1"):
+        assert resolve_api_key(None, host) is None
+    assert not caplog.records  # loopback: no one else can reach it
+    for host in ("0.0.0.0", "::", "192.0.2.7"):
+        assert resolve_api_key(None, host) is None
+    assert [r.levelname for r in caplog.records] == ["WARNING"] * 3
+    assert "with no API key: anyone who can reach this address" in caplog.records[0].message

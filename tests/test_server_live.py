@@ -459,13 +459,23 @@ def test_every_host_starts_from_the_same_topology_file(tiny: Path, tmp_path: Pat
     assert code == 0
 
 
-@pytest.mark.parametrize("what", ["dead topology address", "missing model"])
+@pytest.mark.parametrize(
+    "what", ["dead topology address", "missing model", "empty api key", "empty api key env"]
+)
 def test_a_stage_that_cannot_start_exits_non_zero_with_one_line(
     what: str, tiny: Path, tmp_path: Path
 ) -> None:
+    env = dict(os.environ)
     if what == "missing model":
         args = ["--model", str(tmp_path / "nope.gguf")]
         words = "does not exist"
+    elif what == "empty api key":  # --api-key "$STAGERUN_API_KEY" with the variable unset
+        args = ["--model", str(tiny), "--host", "0.0.0.0", "--api-key", ""]
+        words = "--api-key is empty"
+    elif what == "empty api key env":
+        args = ["--model", str(tiny), "--host", "0.0.0.0"]
+        env["STAGERUN_API_KEY"] = " "
+        words = "$STAGERUN_API_KEY is empty"
     else:
         topology = tmp_path / "topology.toml"
         topology.write_text(
@@ -479,6 +489,7 @@ def test_a_stage_that_cannot_start_exits_non_zero_with_one_line(
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert result.returncode == 1
     assert result.stdout == ""

@@ -45,6 +45,8 @@ log = logging.getLogger("stagerun.server")
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_TOKENS = 512  # a chat request that names no max_tokens
+MAX_TOKENS_LIMIT = 4096  # no request generates more, whatever it asks for
 ENDPOINTS = frozenset(
     {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
 )
@@ -60,6 +62,8 @@ class ServerState:
     model_aliases: frozenset[str]
     metrics: Metrics = attrs.field(factory=Metrics)
     max_body_bytes: int = MAX_BODY_BYTES
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
     health_timeout: float = 1.0
     started: int = attrs.field(factory=lambda: int(time.time()))
 
@@ -83,6 +87,8 @@ def create_app(
     max_queue: int = 16,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_tokens_default: int = DEFAULT_MAX_TOKENS,
+    max_tokens_limit: int = MAX_TOKENS_LIMIT,
 ) -> ASGIApp:
     """The ASGI app serving ``pipeline``.
 
@@ -92,7 +98,16 @@ def create_app(
         capacity: requests generating at once (default: the lane pool's capacity, or 1).
         max_queue: requests that may wait for a slot before the server answers 429.
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
+        max_tokens_default: the tokens a chat request that names no ``max_tokens`` gets
+            (a completion request gets OpenAI's 16).
+        max_tokens_limit: the most tokens any request generates; a larger ``max_tokens``
+            is cut to it (the reply then ends with ``finish_reason: "length"``).
     """
+    if not 1 <= max_tokens_default <= max_tokens_limit:
+        raise ValueError(
+            f"the default max_tokens ({max_tokens_default}) must be between 1 and the "
+            f"limit ({max_tokens_limit})"
+        )
     if capacity is None:
         capacity = pipeline.pool.capacity if pipeline.pool is not None else 1
     name = model_id or pipeline.config.name
@@ -102,6 +117,8 @@ def create_app(
         model_id=name,
         model_aliases=frozenset({*model_aliases, pipeline.config.name}) - {name},
         max_body_bytes=max_body_bytes,
+        max_tokens_default=max_tokens_default,
+        max_tokens_limit=max_tokens_limit,
     )
     app = Starlette(
         routes=[
@@ -226,13 +243,13 @@ async def _generation(request: Request, kind: Kind) -> Response:
             param=param,
             code="context_length_exceeded",
         )
-    room = context - len(prompt_ids)
+    room = min(context - len(prompt_ids), state.max_tokens_limit)
     if req.max_tokens is not None:
         max_tokens = min(req.max_tokens, room)
     elif kind == "completion":
         max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     else:
-        max_tokens = room
+        max_tokens = min(state.max_tokens_default, room)
     sampling = SamplingParams(
         temperature=req.temperature,
         top_k=req.top_k,

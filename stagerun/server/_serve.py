@@ -24,6 +24,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from .._auth import is_loopback
 from .._errors import StagerunError
 from .._launch import Mode, open_pipeline
 from .._pipeline_values import RecoveryPolicy
@@ -32,9 +33,10 @@ from .._speculative import SpeculationConfig
 from .._supervise import SupervisionPolicy
 from .._topology import load_topology
 from .._util import single_exceptions
-from ._app import create_app
+from ._app import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT, create_app
 
 API_KEY_ENV = "STAGERUN_API_KEY"
+log = logging.getLogger("stagerun.serve")
 GRACEFUL_TIMEOUT = 2.0
 
 
@@ -57,6 +59,8 @@ class ServeOptions:
     mode: Mode = "processes"
     wire_dtype: ActivationDType = "f32"
     api_key: str | None = None
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    max_tokens_limit: int = MAX_TOKENS_LIMIT
     speculation: SpeculationConfig | None = None
     hop_delay_ms: float = 0.0
     bandwidth_mbps: float | None = None
@@ -120,7 +124,12 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
     model = model or "smollm2"
     if stages < 1:
         raise ValueError(f"--stages must be at least 1, got {stages}")
-    api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(options.api_key, options.host)
+    if not 1 <= options.max_tokens_default <= options.max_tokens_limit:
+        raise ValueError(
+            f"--max-tokens-default ({options.max_tokens_default}) must be between 1 and "
+            f"--max-tokens-limit ({options.max_tokens_limit})"
+        )
     threads = options.threads
     if threads is None and options.mode == "processes" and remote is None:
         threads = default_threads(stages)
@@ -173,6 +182,8 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                     capacity=options.parallel,
                     max_queue=options.max_queue,
                     api_key=api_key,
+                    max_tokens_default=options.max_tokens_default,
+                    max_tokens_limit=options.max_tokens_limit,
                 )
                 config = HypercornConfig()
                 config.bind = [_bind(options.host, options.port)]
@@ -206,6 +217,34 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
     return 130 if interrupted else 0
 
 
+def resolve_api_key(given: str | None, host: str) -> str | None:
+    """The API key to require: ``--api-key``, else ``$STAGERUN_API_KEY``; None for none.
+
+    A key that is given but empty (``--api-key "$UNSET_VARIABLE"``) is an error, never a
+    quiet "no authentication"; serving beyond loopback without a key is allowed, with a
+    warning.
+
+    Raises:
+        ServeError: the key was given empty.
+    """
+    source, key = "--api-key", given
+    if key is None:
+        source, key = f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ServeError(
+            f"{source} is empty: give a key (for example from a file, "
+            f'--api-key "$(cat key.txt)"), or leave it out to serve without one'
+        )
+    if key is None and not is_loopback(host.strip("[]")):
+        log.warning(
+            "serving on %s with no API key: anyone who can reach this address can use the "
+            "model; set --api-key or $%s",
+            host,
+            API_KEY_ENV,
+        )
+    return key
+
+
 def options_from_args(args: object) -> ServeOptions:
     """`ServeOptions` from the parsed ``stagerun serve`` arguments."""
     from .._options import recovery_from_args, speculation_from_args
@@ -224,6 +263,8 @@ def options_from_args(args: object) -> ServeOptions:
         mode="inproc" if get("inproc") else "processes",
         wire_dtype=get("wire_dtype"),
         api_key=get("api_key"),
+        max_tokens_default=_or(get("max_tokens_default", None), DEFAULT_MAX_TOKENS),
+        max_tokens_limit=_or(get("max_tokens_limit", None), MAX_TOKENS_LIMIT),
         speculation=speculation_from_args(args),  # type: ignore[arg-type]
         hop_delay_ms=get("hop_delay_ms", 0.0),
         bandwidth_mbps=get("bandwidth_mbps", None),
@@ -235,6 +276,10 @@ def options_from_args(args: object) -> ServeOptions:
         recovery=recovery,
         supervision=supervision,
     )
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def serve_main(args: object) -> int:
