@@ -10,9 +10,14 @@ error, a missing method, two distributions claiming one name, becomes a `PluginE
 names the plugin, its distribution and the problem, raised when that plugin is asked for and
 listed by ``stagerun plugins``; other plugins keep working.
 
-``STAGERUN_PLUGINS`` restricts what is available: a comma-separated list whose items are plugin
-names (``ws``), group-qualified names (``transports:ws``) or distribution names
-(``stagerun-unix``). Unset or empty means everything installed.
+``STAGERUN_PLUGINS`` restricts the third-party plugins: a comma-separated list whose items are
+plugin names (``bigram``), kind-qualified names (``drafter:bigram``, ``drafters:bigram``) or
+distribution names (``stagerun-unix``). An item restricts only the kind of plugin it names
+(``drafter:...`` the drafters; a name or a distribution, the kinds it has plugins in): of that
+kind, the third-party plugins listed load and the others do not. Kinds no item names are not
+restricted, and stagerun's built-ins (``tcp``, ``numpy``, ``ngram``...) always stay; an item
+with a leading ``-`` (``-ws``, ``-drafter:draft-model``) excludes a plugin, built-in or not.
+Unset or empty means everything installed.
 """
 
 from __future__ import annotations
@@ -100,12 +105,59 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _allowed(info: PluginInfo, allow: set[str] | None) -> bool:
-    if allow is None:
-        return True
-    names = {info.name, f"{info.kind}:{info.name}", f"{_SINGULAR[info.kind]}:{info.name}"}
-    names |= {_canonical(part.strip().rsplit(" ", 1)[0]) for part in info.distribution.split(",")}
-    return bool(names & allow)
+BUILTIN_DISTRIBUTION = "stagerun"
+
+
+def _distributions(info: PluginInfo) -> set[str]:
+    """The canonical names of the distributions that registered ``info``."""
+    return {_canonical(part.strip().rsplit(" ", 1)[0]) for part in info.distribution.split(",")}
+
+
+def _names(info: PluginInfo) -> set[str]:
+    """Every way a ``STAGERUN_PLUGINS`` item can name ``info``."""
+    qualified = {f"{info.kind}:{info.name}", f"{_SINGULAR[info.kind]}:{info.name}"}
+    return {info.name, *qualified, *_distributions(info)}
+
+
+@attrs.frozen
+class Allowlist:
+    """``STAGERUN_PLUGINS`` parsed: what it lists and what it excludes (lower-cased)."""
+
+    spec: str
+    listed: frozenset[str]
+    excluded: frozenset[str]
+
+    @classmethod
+    def parse(cls, spec: str) -> Allowlist:
+        listed: set[str] = set()
+        excluded: set[str] = set()
+        for raw in spec.split(","):
+            item = raw.strip().lower()
+            target = excluded if item.startswith("-") else listed
+            item = item.removeprefix("-").strip()
+            if item:
+                target |= {item, _canonical(item)}
+        return cls(spec, frozenset(listed), frozenset(excluded))
+
+    def restricts(self, kind: Kind, plugins: Iterable[PluginInfo]) -> bool:
+        """Whether an item names ``kind`` or one of its plugins (then only those listed load)."""
+        prefixes = (f"{kind}:", f"{_SINGULAR[kind]}:")
+        return any(item.startswith(prefixes) for item in self.listed) or any(
+            _names(info) & self.listed for info in plugins
+        )
+
+    def problem(self, info: PluginInfo, restricted: bool) -> str | None:
+        """Why ``info`` is left out, or None if it may load."""
+        names = _names(info)
+        if names & self.excluded:
+            return f"excluded by {ENV}={self.spec!r}"
+        builtin = _distributions(info) == {BUILTIN_DISTRIBUTION}
+        if restricted and not builtin and not names & self.listed:
+            return (
+                f"not listed in {ENV}={self.spec!r}, which lists the "
+                f"{_SINGULAR[info.kind]} plugins to use"
+            )
+        return None
 
 
 def _discover() -> dict[Kind, dict[str, PluginInfo]]:
@@ -113,10 +165,7 @@ def _discover() -> dict[Kind, dict[str, PluginInfo]]:
     if _registry is not None:
         return _registry
     spec = os.environ.get(ENV, "").strip()
-    allow = None
-    if spec:
-        items = [item.strip() for item in spec.split(",") if item.strip()]
-        allow = {item.lower() for item in items} | {_canonical(item) for item in items}
+    allow = Allowlist.parse(spec) if spec else None
     registry: dict[Kind, dict[str, PluginInfo]] = {}
     for kind, group in GROUPS.items():
         found: dict[str, list[PluginInfo]] = {}
@@ -137,10 +186,13 @@ def _discover() -> dict[Kind, dict[str, PluginInfo]]:
                 info.status = "broken"
                 info.problem = f"the name {name!r} is registered by {claims}; uninstall one"
                 info.distribution = ", ".join(i.distribution for i in infos)
-            if not _allowed(info, allow):
-                info.status = "filtered"
-                info.problem = f"not listed in {ENV}={spec!r}"
             plugins[name] = info
+        if allow is not None:
+            restricted = allow.restricts(kind, plugins.values())
+            for info in plugins.values():
+                problem = allow.problem(info, restricted)
+                if problem is not None:
+                    info.status, info.problem = "filtered", problem
         registry[kind] = plugins
     _registry = registry
     return registry

@@ -215,19 +215,82 @@ def test_a_third_party_drafter_is_usable_by_name(fake_plugins: Path) -> None:
     assert plugins.drafter("first")().propose([1, 2], 4) == [1]
 
 
-def test_stagerun_plugins_restricts_what_loads(
+BUILT_IN_TRANSPORTS = {"tcp", "ws", "tls", "wss", "mem"}
+
+
+def test_stagerun_plugins_restricts_only_the_kinds_it_names(
     fake_plugins: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(plugins.ENV, "tcp, drafters:ngram, fakeplug")
+    """`drafter:first` restricts third-party drafters to `first`; built-ins and the other
+    kinds are untouched."""
+    monkeypatch.setenv(plugins.ENV, "drafter:first")
     plugins.refresh()
-    assert set(plugins.names("transports")) == {"tcp", "good", "gone", "sync", "noschemes"}
-    assert plugins.names("drafters") == ["asyncdrafter", "first", "half", "ngram", "number"]
-    with pytest.raises(
-        plugins.PluginError, match=r"'ws'.* unusable: not listed in STAGERUN_PLUGINS"
-    ):
+    assert set(plugins.names("drafters")) >= {"ngram", "oracle", "draft-model", "first"}
+    assert not {"half", "asyncdrafter", "number"} & set(plugins.names("drafters"))
+    with pytest.raises(plugins.PluginError, match=r"'half'.* not listed in STAGERUN_PLUGINS"):
+        plugins.drafter("half")
+    assert {"good", "sync", "noschemes"} <= set(plugins.names("transports"))  # not restricted
+    assert set(plugins.names("transports")) >= BUILT_IN_TRANSPORTS
+
+
+def test_stagerun_plugins_names_and_distributions_restrict_their_kinds(
+    fake_plugins: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(plugins.ENV, "tcp, drafters:ngram, good")
+    plugins.refresh()
+    # `good` is a transport: third-party transports are restricted to it; built-ins stay.
+    assert set(plugins.names("transports")) == BUILT_IN_TRANSPORTS | {"good"}
+    # `drafters:ngram` restricts drafters: none of fakeplug's is listed.
+    assert not {"half", "first", "asyncdrafter"} & set(plugins.names("drafters"))
+    assert "ngram" in plugins.names("drafters")
+    assert "numpy" in plugins.names("backends")
+    # A distribution name restricts every kind it has plugins in, to its own.
+    monkeypatch.setenv(plugins.ENV, "FakePlug")  # compared as packaging does
+    plugins.refresh()
+    assert {"good", "tcp", "ws"} <= set(plugins.names("transports"))
+    assert {"first", "ngram"} <= set(plugins.names("drafters"))
+
+
+def test_a_leading_minus_excludes_a_plugin_built_in_or_not(
+    fake_plugins: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(plugins.ENV, "-ws, -transport:good, -drafter:draft-model")
+    plugins.refresh()
+    transports = set(plugins.names("transports"))
+    assert "ws" not in transports and "good" not in transports
+    assert {"tcp", "sync", "noschemes"} <= transports  # exclusions restrict nothing else
+    assert "draft-model" not in plugins.names("drafters")
+    with pytest.raises(plugins.PluginError, match=r"'ws'.* excluded by STAGERUN_PLUGINS"):
         plugins.transport("ws")
     with pytest.raises(plugins.PluginError, match=r"no transport plugin serves ws://"):
         plugins.transport_for("ws://127.0.0.1:1")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["ngram,bigram", "drafter:ngram", "transports:ws", "stagerun-unix", "drafter:bigram, -ws"],
+)
+async def test_the_documented_stagerun_plugins_examples_keep_stagerun_working(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, spec: str
+) -> None:
+    """Every value the docs show: a speculative pipeline over tcp on numpy still runs."""
+    from stagerun import open_pipeline
+
+    monkeypatch.setenv(plugins.ENV, spec)
+    plugins.refresh()
+    try:
+        assert {"tcp", "numpy", "ngram"} <= {
+            *plugins.names("transports"),
+            *plugins.names("backends"),
+            *plugins.names("drafters"),
+        }
+        async with open_pipeline(tiny_model_path, stages=2) as pipeline:
+            result = await pipeline.complete(
+                "one two three", max_tokens=8, speculation=SpeculationConfig("ngram", depth=2)
+            )
+        assert len(result.token_ids) == 8
+    finally:
+        plugins.refresh()
 
 
 def test_cli_lists_plugins_and_their_problems(
@@ -250,14 +313,6 @@ def test_cli_is_clean_without_broken_plugins(capsys: pytest.CaptureFixture[str])
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "transports:" in out and "ws" in out and "numpy" in out
-
-
-def test_stagerun_plugins_matches_distribution_names_as_packaging_does(
-    fake_plugins: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(plugins.ENV, "FakePlug")
-    plugins.refresh()
-    assert "good" in plugins.names("transports") and "tcp" not in plugins.names("transports")
 
 
 async def test_the_example_drafter_plugin_drives_speculation(tiny_model_path: Path) -> None:
