@@ -29,6 +29,7 @@ from ._pipeline_values import StageHealth as StageHealth
 from ._pipeline_values import StageInfo as StageInfo
 from ._pipeline_values import TokenChunk as TokenChunk
 from ._proto import SamplingParams as SamplingParams
+from ._speculative import SpeculationConfig as SpeculationConfig
 from ._stage import StageServer as StageServer
 from ._stage import serve_stage as serve_stage
 from ._supervise import SupervisionPolicy as SupervisionPolicy
@@ -53,6 +54,7 @@ __all__ = [
     "RecoveryFailedError",
     "RecoveryPolicy",
     "SamplingParams",
+    "SpeculationConfig",
     "StageError",
     "StageHealth",
     "StageInfo",

@@ -18,9 +18,8 @@ import pytest
 import trio
 import trio.testing
 
-from stagerun import open_pipeline
+from stagerun import SpeculationConfig, open_pipeline
 from stagerun._errors import ComputeCancelled, LaneHandshakeError
-from stagerun._speculative import SpeculationConfig
 from stagerun.abc import ConnectionHandler, Transport
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import DraftModelDrafter, NgramDrafter, OracleDrafter

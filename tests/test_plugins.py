@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from stagerun import plugins
+from stagerun import SpeculationConfig, plugins
 from stagerun._cli import main
-from stagerun._speculative import SpeculationConfig
 from stagerun.drafters import NgramDrafter
 from stagerun.transports import TcpTransport, WebSocketTransport
 

@@ -25,6 +25,7 @@ def test_public_names() -> None:
             "RecoveryFailedError",
             "RecoveryPolicy",
             "SamplingParams",
+            "SpeculationConfig",
             "StageError",
             "StageHealth",
             "StageInfo",

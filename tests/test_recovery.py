@@ -34,13 +34,13 @@ from stagerun import (
     RecoveryFailedError,
     RecoveryPolicy,
     SamplingParams,
+    SpeculationConfig,
     SupervisionPolicy,
     TokenChunk,
     open_pipeline,
     serve_stage,
 )
 from stagerun._pipeline import replay_context
-from stagerun._speculative import SpeculationConfig
 from stagerun._stage import StageServer
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import OracleDrafter

@@ -12,8 +12,7 @@ import signal
 import pytest
 from _oracle import assert_varied
 
-from stagerun import SamplingParams, TokenChunk, open_pipeline
-from stagerun._speculative import SpeculationConfig
+from stagerun import SamplingParams, SpeculationConfig, TokenChunk, open_pipeline
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived a girl named"
 TOKENS = 48

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stagerun import SamplingParams, open_pipeline
+from stagerun import SamplingParams, SpeculationConfig, open_pipeline
 from stagerun._bench import SPECULATIVE_PROMPTS
-from stagerun._speculative import SpeculationConfig
 from stagerun.drafters import OracleDrafter
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 import trio
 
-from stagerun import LaneError, RecoveryPolicy, open_pipeline, telemetry
-from stagerun._speculative import SpeculationConfig
+from stagerun import LaneError, RecoveryPolicy, SpeculationConfig, open_pipeline, telemetry
 from stagerun.model import ModelFile
 
 if TYPE_CHECKING:

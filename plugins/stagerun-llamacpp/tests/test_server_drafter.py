@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 from stagerun_llamacpp import LlamaServerDrafter
 
-from stagerun import open_pipeline, plugins
+from stagerun import SpeculationConfig, open_pipeline, plugins
 from stagerun._pipeline_values import DrafterContext
-from stagerun._speculative import SpeculationConfig
 from stagerun.model import open_model, resolve_model
 
 ROOT = Path(__file__).resolve().parents[3]
