@@ -117,7 +117,13 @@ class JsonLinesSink:
         if target == "stderr":
             self._stream = sys.stderr
         elif isinstance(target, str):
-            self._fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                self._fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot open the telemetry file {target}: {exc.strerror or exc}; "
+                    "create its folder or give another path"
+                ) from None
         else:
             self._stream = target
 
@@ -349,7 +355,8 @@ def configure_from_env(
     """A `Telemetry` from ``$STAGERUN_TELEMETRY*`` (see the module docstring), made current.
 
     Raises:
-        ValueError: an unknown level or a bad queue size.
+        ValueError: an unknown level, a bad queue size, or a JSON-lines file that cannot be
+            opened.
     """
     env = os.environ if environ is None else environ
     level = env.get("STAGERUN_TELEMETRY", "off").strip().lower() or "off"

@@ -335,3 +335,23 @@ def test_configuring_telemetry_leaves_no_file_open(tmp_path: pathlib.Path) -> No
             )  # fmt: skip
     telemetry.set_current(telemetry.Telemetry("off"))
     assert open_fds() == before
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_a_trace_file_that_cannot_be_opened_is_one_error_line(
+    tmp_path: pathlib.Path, command: str
+) -> None:
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no such folder" / "trace.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "stagerun", command, "--telemetry", "summary",
+         "--telemetry-jsonl", str(missing), *(["--port", "0"] if command == "serve" else ["hi"])],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"stagerun: error: cannot open the telemetry file {missing}: No such file or directory;"
+        " create its folder or give another path\n"
+    )
