@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from .transports import parse_address
+from . import plugins
 
 
 class TopologyError(ValueError):
@@ -68,6 +68,21 @@ class Topology:
     def remote_addresses(self) -> list[str]:
         """Stages 1.. as stage 0 reaches them: each address followed by its standbys."""
         return [s.addresses for s in self.stages[1:] if s.address is not None]
+
+
+def check_address(address: str) -> None:
+    """Check ``address`` with the transport plugin that serves its scheme.
+
+    Raises:
+        ValueError: no transport serves the scheme, or the address is not of its form.
+    """
+    try:
+        transport = plugins.transport_for(address)
+    except plugins.PluginError as exc:
+        raise ValueError(str(exc)) from None
+    check = getattr(transport, "check_address", None)  # a plugin need not subclass Transport
+    if check is not None:
+        check(address)
 
 
 def load_topology(path: str | os.PathLike[str]) -> Topology:
@@ -115,7 +130,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "<topology>") -> Topol
             if not isinstance(address, str):
                 raise TopologyError(f'{source}: stage {index} needs address = "tcp://HOST:PORT"')
             try:
-                parse_address(address)
+                check_address(address)
             except ValueError as exc:
                 raise TopologyError(f"{source}: stage {index}: {exc}") from None
         backend = raw.get("backend", "numpy")
@@ -126,7 +141,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "<topology>") -> Topol
             if index == 0 or not isinstance(listen, str):
                 raise TopologyError(f'{source}: stage {index} listen must be "tcp://HOST:PORT"')
             try:
-                parse_address(listen)
+                check_address(listen)
             except ValueError as exc:
                 raise TopologyError(f"{source}: stage {index} listen: {exc}") from None
         standby = raw.get("standby", [])
@@ -136,7 +151,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "<topology>") -> Topol
             raise TopologyError(f"{source}: stage 0 is the driver and has no standby")
         for other in standby:
             try:
-                parse_address(other)
+                check_address(other)
             except ValueError as exc:
                 raise TopologyError(f"{source}: stage {index} standby: {exc}") from None
         unknown = set(raw) - {"layers", "address", "backend", "listen", "standby"}

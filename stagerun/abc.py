@@ -74,6 +74,17 @@ class Transport(abc.ABC):
         """
         return f"{self.schemes[0]}://{host}:0"
 
+    def check_address(self, address: str) -> None:
+        """Raise `ValueError`, saying what an address looks like, unless ``address`` is one.
+
+        Topology files and command-line options are checked with the transport that owns the
+        address's scheme, before anything connects. The default accepts ``SCHEME://HOST:PORT``;
+        a transport whose addresses are something else (a Unix socket path) overrides it.
+        """
+        from .transports import parse_address  # the built-ins import this module
+
+        parse_address(address)
+
     @abc.abstractmethod
     async def connect(self, address: str, *, timeout: float) -> trio.abc.Stream:
         """Open a connection to ``address`` within ``timeout`` seconds.

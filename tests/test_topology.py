@@ -94,3 +94,25 @@ def test_standby_stages_follow_their_primary(tmp_path: Path) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(TopologyError, match="does not exist"):
         load_topology(tmp_path / "none.toml")
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("unix:///tmp/stage1.sock", None),  # the example plugin's addresses (make test installs it)
+        ("ws://127.0.0.1:9001", None),
+        ("unix://tmp/stage1.sock", r"must look like unix:///ABSOLUTE/PATH\.sock"),
+        ("ws://nowhere", r"must look like ws://HOST:PORT"),
+        ("gopher://h:1", r"no transport plugin serves gopher://"),
+    ],
+)
+def test_addresses_are_checked_by_the_transport_that_owns_the_scheme(
+    tmp_path: Path, address: str, message: str | None
+) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text(f"[[stages]]\nlayers=[0,5]\n[[stages]]\nlayers=[5,9]\naddress='{address}'\n")
+    if message is None:
+        assert load_topology(path).remote_addresses == [address]
+    else:
+        with pytest.raises(TopologyError, match=message):
+            load_topology(path)

@@ -102,6 +102,9 @@ class UnixTransport(Transport):
     def __repr__(self) -> str:
         return "<UnixTransport>"
 
+    def check_address(self, address: str) -> None:
+        parse_unix_address(address)
+
     def local_address(self, host: str) -> str:
         """A fresh socket path in the temporary folder (there is no host or port)."""
         name = f"stagerun-{os.getpid()}-{next(self._names)}.sock"
