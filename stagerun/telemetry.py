@@ -31,6 +31,13 @@ Configuration from the environment (what ``stagerun serve``/``stage`` use):
 ``STAGERUN_TELEMETRY_OTEL`` ``1``: also emit through OpenTelemetry
 ``STAGERUN_TELEMETRY_QUEUE`` queue capacity in records (default 1024)
 ========================== =========================================================
+
+With ``STAGERUN_TELEMETRY_OTEL=1`` and no tracer provider set up by the application (the case
+of the command line), the OpenTelemetry SDK is set up from the standard variables:
+``OTEL_TRACES_EXPORTER`` ``otlp`` (default; ``OTEL_EXPORTER_OTLP_ENDPOINT`` and the other
+``OTEL_EXPORTER_OTLP_*`` variables apply), ``console`` (spans as JSON on stderr) or ``none``;
+``OTEL_SERVICE_NAME`` (default ``stagerun``). It needs ``pip install 'stagerun[otel]'``.
+JSON lines still go to ``STAGERUN_TELEMETRY_JSONL``, or to stderr when it is not set.
 """
 
 from __future__ import annotations
@@ -151,10 +158,11 @@ class OpenTelemetrySink:
     up (none: they are dropped by the API's no-op tracer).
     """
 
-    def __init__(self, tracer: Any = None) -> None:
+    def __init__(self, tracer: Any = None, provider: Any = None) -> None:
         from opentelemetry import trace
 
-        self._tracer = tracer or trace.get_tracer("stagerun")
+        self._provider = provider  # one this sink set up: flushed and shut down on close
+        self._tracer = tracer or (provider or trace.get_tracer_provider()).get_tracer("stagerun")
 
     def write(self, records: Sequence[Record]) -> None:
         for record in records:
@@ -166,7 +174,44 @@ class OpenTelemetrySink:
             span.end(end_time=record.end_ns)
 
     def close(self) -> None:
-        pass
+        if self._provider is not None:
+            self._provider.shutdown()  # exports what is batched
+
+
+def _otel_sdk_provider(env: Mapping[str, str]) -> Any:
+    """A tracer provider from the standard ``OTEL_*`` variables, or None if one is set up.
+
+    Raises:
+        ValueError: the SDK (or the exporter asked for) is not installed, or an unknown
+            exporter is named.
+    """
+    from opentelemetry import trace
+
+    if not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return None  # the application configured OpenTelemetry itself
+    hint = "pip install 'stagerun[otel]'"
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace import export as sdk_export
+    except ImportError:
+        raise ValueError(f"STAGERUN_TELEMETRY_OTEL needs the OpenTelemetry SDK: {hint}") from None
+    exporter_name = env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
+    service = env.get("OTEL_SERVICE_NAME", "stagerun")
+    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    if exporter_name == "console":
+        provider.add_span_processor(
+            sdk_export.SimpleSpanProcessor(sdk_export.ConsoleSpanExporter(out=sys.stderr))
+        )
+    elif exporter_name == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise ValueError(f"OTEL_TRACES_EXPORTER=otlp needs the OTLP exporter: {hint}") from None
+        provider.add_span_processor(sdk_export.BatchSpanProcessor(OTLPSpanExporter()))
+    elif exporter_name != "none":
+        raise ValueError(f"OTEL_TRACES_EXPORTER={exporter_name!r}; use otlp, console or none")
+    return provider
 
 
 def _otel_value(value: Any) -> Any:
@@ -373,10 +418,10 @@ def configure_from_env(
             target = env.get("STAGERUN_TELEMETRY_JSONL")
             if target:
                 sinks.append(JsonLinesSink(target))
-            if env.get("STAGERUN_TELEMETRY_OTEL", "") not in ("", "0"):
-                sinks.append(OpenTelemetrySink())
-            if not sinks:
+            else:
                 sinks.append(JsonLinesSink("stderr"))
+            if env.get("STAGERUN_TELEMETRY_OTEL", "") not in ("", "0"):
+                sinks.append(OpenTelemetrySink(provider=_otel_sdk_provider(env)))
         except BaseException:
             for sink in sinks:
                 sink.close()

@@ -355,3 +355,29 @@ def test_a_trace_file_that_cannot_be_opened_is_one_error_line(
         f"stagerun: error: cannot open the telemetry file {missing}: No such file or directory;"
         " create its folder or give another path\n"
     )
+
+
+def test_opentelemetry_from_the_command_line_exports_through_the_sdk(
+    tiny_model_path: pathlib.Path,
+) -> None:
+    """STAGERUN_TELEMETRY_OTEL=1 sets the SDK up from OTEL_* (here the console exporter)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "STAGERUN_TELEMETRY": "summary", "STAGERUN_TELEMETRY_OTEL": "1",
+           "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "stagerun-test"}  # fmt: skip
+    command = [sys.executable, "-m", "stagerun", "generate", "--model", str(tiny_model_path),
+               "--max-tokens", "4", "hi"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    # The console exporter's span, and the JSON line of the same record (on stderr too).
+    assert '"name": "stage.openai_generation_summary"' in result.stderr
+    assert '"service.name": "stagerun-test"' in result.stderr
+    assert '{"event": "stage.openai_generation_summary"' in result.stderr
+    bad = subprocess.run(
+        command, capture_output=True, text=True, timeout=120,
+        env={**env, "OTEL_TRACES_EXPORTER": "carrier-pigeon"},
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("stagerun: error: OTEL_TRACES_EXPORTER='carrier-pigeon'")
