@@ -54,6 +54,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _request_selector(text: str) -> int | str:
+    """A request id (decimal, or hex with 0x), else an HTTP x-request-id label."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        return text
+
+
 def _png_option(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--png",
@@ -361,9 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     timeline.add_argument(
         "--request-id",
-        type=int,
+        type=_request_selector,
         default=None,
-        help="with --from-trace: the request to draw (default: the last one to finish)",
+        help="with --from-trace: the request to draw, by its id in the trace "
+        "(llama_stage.request_id) or by the x-request-id it was served under (default: the "
+        "last one to finish)",
     )
     timeline.add_argument("--json", action="store_true")
     _png_option(timeline, "the timeline")

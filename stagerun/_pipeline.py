@@ -161,12 +161,15 @@ class Pipeline:
         stop: Sequence[str] = (),
         speculation: SpeculationConfig | None = None,
         drafter: Drafter | None = None,
+        label: str | None = None,
     ) -> AsyncIterator[GenerationStream]:
         """Stream a generation: ``async with p.generate(...) as s: async for chunk in s``.
 
         Text that could be the start of a ``stop`` string is held back until it is decided;
         a stop string ends the request cleanly and is not part of the text. Leaving the block
-        early cancels the request (its lane is replaced, not reused).
+        early cancels the request (its lane is replaced, not reused). ``label`` (the server
+        passes the HTTP request id) goes into the request's telemetry summary as
+        ``stagerun.request_label``.
         """
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         params = sampling or _proto.SamplingParams()
@@ -184,6 +187,7 @@ class Pipeline:
                         stop=stop,
                         speculation=speculation,
                         drafter=drafter,
+                        label=label,
                     )
                 except Exception as exc:  # handed to the consumer, not lost in a group
                     stream.error = exc
@@ -281,6 +285,7 @@ class Pipeline:
         ignore_eog: bool = False,
         speculation: SpeculationConfig | None = None,
         drafter: Drafter | None = None,
+        label: str | None = None,
     ) -> Completion:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -480,6 +485,7 @@ class Pipeline:
                     "llama_stage.recoveries": int(extra.get("recoveries", 0)),
                     "llama_stage.stages": len(self.stages),
                     "llama_stage.elapsed_ms": (t_end - t_start) * 1000.0,
+                    **({"stagerun.request_label": label} if label is not None else {}),
                 },
             )
         return Completion(

@@ -99,8 +99,12 @@ def load_trace(path: str | pathlib.Path) -> list[Record]:
     return records
 
 
-def request_timeline(records: Iterable[Record], request_id: int | None = None) -> Timeline:
+def request_timeline(records: Iterable[Record], request_id: int | str | None = None) -> Timeline:
     """Build the timeline of ``request_id`` (default: the last request that finished).
+
+    ``request_id`` is stage 0's request id (``llama_stage.request_id``, an int) or the label
+    the request was given: the HTTP ``x-request-id`` of a served request
+    (``stagerun.request_label``).
 
     A request that recovered onto a new lane (see docs/reliability.md) carries a new id from
     then on: its timeline is the stretch under the id its summary names, the last one, and
@@ -112,7 +116,10 @@ def request_timeline(records: Iterable[Record], request_id: int | None = None) -
     records = list(records)
     summaries = [r for r in records if r.name == "stage.openai_generation_summary"]
     if request_id is not None:
-        summaries = [r for r in summaries if r.attributes.get(_REQUEST) == request_id]
+        key = _REQUEST if isinstance(request_id, int) else "stagerun.request_label"
+        summaries = [r for r in summaries if r.attributes.get(key) == request_id]
+        if not summaries:
+            raise ValueError(f"the trace holds no finished request {request_id}")
     if not summaries:
         raise ValueError("the trace holds no finished request (stage.openai_generation_summary)")
     summary = max(summaries, key=lambda r: r.end_ns)
@@ -239,7 +246,7 @@ def plot_timeline(timeline: Timeline, path: str | pathlib.Path, *, title: str = 
         stale = sum(row["stale"] for row in totals)
         axes.set_title(
             title
-            or f"request {timeline.request_id:x}: {timeline.windows} verify windows, "
+            or f"request {timeline.request_id}: {timeline.windows} verify windows, "
             f"{timeline.stale_windows} stale ({stale:.0f} ms of stale compute)",
             fontsize=10,
         )

@@ -358,3 +358,37 @@ def test_an_empty_api_key_is_an_error_and_no_key_beyond_loopback_warns(
         assert resolve_api_key(None, host) is None
     assert [r.levelname for r in caplog.records] == ["WARNING"] * 3
     assert "with no API key: anyone who can reach this address" in caplog.records[0].message
+
+
+async def test_the_http_request_id_reaches_the_trace_and_picks_the_timeline(tiny: Path) -> None:
+    from stagerun import telemetry
+    from stagerun._options import _request_selector
+    from stagerun._report import request_timeline
+
+    recorder = telemetry.Telemetry("debug", [], capacity=100_000)
+    previous = telemetry.set_current(recorder)
+    try:
+        async with (
+            open_pipeline(tiny, stages=2) as pipeline,
+            http_server(pipeline) as url,
+            httpx.AsyncClient(base_url=url, timeout=60) as client,
+        ):
+            for label in ("first-request", "second-request"):
+                body = {**CHAT, "max_tokens": 4}
+                reply = await client.post(
+                    "/v1/chat/completions", json=body, headers={"x-request-id": label}
+                )
+                assert reply.status_code == 200
+        records = recorder.take()
+    finally:
+        telemetry.set_current(previous)
+    summaries = [r for r in records if r.name == "stage.openai_generation_summary"]
+    labels = [r.attributes.get("stagerun.request_label") for r in summaries]
+    assert labels == ["first-request", "second-request"]
+    first = request_timeline(records, _request_selector("first-request"))
+    assert first.request_id == summaries[0].attributes["llama_stage.request_id"]
+    assert request_timeline(records).request_id != first.request_id  # the last one
+    by_id = request_timeline(records, _request_selector(hex(first.request_id)))
+    assert by_id.request_id == first.request_id
+    with pytest.raises(ValueError, match="no finished request nobody"):
+        request_timeline(records, "nobody")

@@ -184,7 +184,7 @@ async def bench_timeline(args: argparse.Namespace) -> int:
     if args.from_trace:
         timeline = request_timeline(load_trace(args.from_trace), args.request_id)
         report["trace"] = str(args.from_trace)
-        title = f"request {timeline.request_id:x} on {timeline.stages} stages"
+        title = f"request {timeline.request_id} on {timeline.stages} stages"
     else:
         timeline = await _trace_one_request(args)
         report.update(

@@ -270,7 +270,13 @@ async def _generation(request: Request, kind: Kind) -> Response:
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     shape = ResponseShape(req, prefix + secrets.token_hex(12), req.model)
     return GenerationResponse(
-        state, shape, prompt_ids, max_tokens=max_tokens, sampling=sampling, ticket=ticket
+        state,
+        shape,
+        prompt_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        ticket=ticket,
+        label=request.scope.get("stagerun.request_id"),
     )
 
 

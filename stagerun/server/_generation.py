@@ -96,8 +96,10 @@ class GenerationResponse(Response):
         max_tokens: int,
         sampling: SamplingParams,
         ticket: Ticket,
+        label: str | None = None,
     ) -> None:
         super().__init__(status_code=200)
+        self.label = label  # the HTTP request id, for the request's telemetry
         self.state = state
         self.shape = shape
         self.prompt_ids = prompt_ids
@@ -136,6 +138,7 @@ class GenerationResponse(Response):
             max_tokens=self.max_tokens,
             sampling=self.sampling,
             stop=self.shape.request.stop,
+            label=self.label,
         ) as stream:
             async for chunk in stream:
                 if stream_text and chunk.text:
