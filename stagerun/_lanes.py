@@ -99,20 +99,26 @@ async def open_connection(
     if isinstance(secret, EnvSecret):
         secret = lane_secret()
     candidates = alternatives(address)
-    for candidate in candidates[:-1]:  # a standby is tried when the one before fails
-        try:
-            return await open_connection(
-                candidate,
-                role=role,
-                key=key,
-                connect_timeout=connect_timeout,
-                ready_timeout=ready_timeout,
-                link=link,
-                secret=secret,
-            )
-        except LaneError as exc:
-            log.info("%s unavailable (%s); trying its standby", candidate, exc)
-    address = candidates[-1]
+    if len(candidates) > 1:  # a standby is tried when the one before fails
+        failures: list[str] = []
+        for candidate in candidates:
+            try:
+                return await open_connection(
+                    candidate,
+                    role=role,
+                    key=key,
+                    connect_timeout=connect_timeout,
+                    ready_timeout=ready_timeout,
+                    link=link,
+                    secret=secret,
+                )
+            except LaneError as exc:
+                log.info("%s unavailable (%s); trying the next standby", candidate, exc)
+                failures.append(f"{candidate}: {exc}")
+                last = exc
+        # Every address failed: say so for each (the primary first), as the last one's kind.
+        raise type(last)(f"no address of the stage answered ({'; '.join(failures)})") from last
+    address = candidates[0]
     stream = await plugins.transport_for(address).connect(address, timeout=connect_timeout)
     try:
         return await client_handshake(

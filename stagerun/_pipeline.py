@@ -28,8 +28,9 @@ import trio
 from . import _proto, plugins, telemetry
 from ._chunked_prefill import PrefillReport, send_prefill
 from ._errors import LaneError, RecoveryFailedError, StageError
-from ._lanes import Lane, LanePool, open_connection
+from ._lanes import Lane, LanePool, alternatives, open_connection
 from ._pipeline_values import (
+    AddressHealth,
     Completion,
     DrafterContext,
     GenerationStream,
@@ -113,29 +114,42 @@ class Pipeline:
     async def check_health(self, timeout: float = 1.0) -> list[StageHealth]:
         """Probe every stage at once: a handshake must complete within ``timeout`` seconds."""
         results: list[StageHealth] = [StageHealth(self.stages[0], "ready")]
-        probes: dict[int, StageHealth] = {}
+        probes: dict[str, AddressHealth] = {}
 
-        async def probe(info: StageInfo) -> None:
-            assert info.address is not None
+        async def probe(address: str) -> None:
             start = time.perf_counter()
             try:
                 stream = await open_connection(
-                    info.address,
+                    address,
                     role=_proto.Role.LANE,
                     connect_timeout=timeout,
                     ready_timeout=timeout,
                 )
             except LaneError as exc:
-                probes[info.index] = StageHealth(info, "unreachable", error=str(exc))
+                probes[address] = AddressHealth(address, "unreachable", error=str(exc))
                 return
             await stream.aclose_forcefully()
             elapsed = (time.perf_counter() - start) * 1000.0
-            probes[info.index] = StageHealth(info, "ready", latency_ms=elapsed)
+            probes[address] = AddressHealth(address, "ready", latency_ms=elapsed)
 
+        each = {info.index: alternatives(info.address or "") for info in self.stages[1:]}
         async with trio.open_nursery() as nursery:
-            for info in self.stages[1:]:
-                nursery.start_soon(probe, info)
-        return results + [probes[info.index] for info in self.stages[1:]]
+            for addresses in each.values():
+                for address in addresses:
+                    nursery.start_soon(probe, address)
+        for info in self.stages[1:]:
+            primary, *standbys = (probes[a] for a in each[info.index])
+            serving = next((p.address for p in (primary, *standbys) if p.state == "ready"), None)
+            health = StageHealth(
+                info,
+                primary.state,
+                error=primary.error,
+                latency_ms=primary.latency_ms,
+                standbys=tuple(standbys),
+                serving=serving,
+            )
+            results.append(health)
+        return results
 
     def encode_prompt(
         self, prompt: str | Sequence[int] | Sequence[dict[str, str]], *, chat: bool = False

@@ -86,23 +86,60 @@ class StageInfo:
 
 
 @attrs.frozen
-class StageHealth:
-    """The result of probing one stage."""
+class AddressHealth:
+    """The result of probing one address of a stage (its primary, or a standby)."""
 
-    stage: StageInfo
+    address: str
     state: Literal["ready", "unreachable"]
     error: str | None = None
     latency_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"address": self.address, "state": self.state}
+        if self.latency_ms is not None:
+            out["latency_ms"] = round(self.latency_ms, 3)
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+@attrs.frozen
+class StageHealth:
+    """The result of probing one stage: its primary address, and its standbys if it has any.
+
+    ``state``, ``error`` and ``latency_ms`` are the primary's; ``standbys`` holds each
+    standby's probe, and ``serving`` the first address that answered, in the order the
+    stage before it tries them (None when none did).
+    """
+
+    stage: StageInfo
+    state: Literal["ready", "unreachable"]
+    error: str | None = None
+    latency_ms: float | None = None
+    standbys: tuple[AddressHealth, ...] = ()
+    serving: str | None = None
+
+    @property
+    def primary(self) -> str:
+        return (self.stage.address or "local").split(",")[0].strip()
+
+    @property
+    def available(self) -> bool:
+        """Whether any of the stage's addresses answered."""
+        return self.state == "ready" or any(s.state == "ready" for s in self.standbys)
+
+    def to_json(self) -> dict[str, Any]:
         lo, hi = self.stage.layers
         out: dict[str, Any] = {
             "index": self.stage.index,
-            "address": self.stage.address or "local",
+            "address": self.primary,
             "layers": [lo, hi],
             "backend": self.stage.backend,
             "state": self.state,
         }
+        if self.standbys:
+            out["standbys"] = [s.to_json() for s in self.standbys]
+            out["serving"] = self.serving
         if self.stage.process is not None:
             out["process"] = self.stage.process.to_json()
             out["pid"] = self.stage.process.pid

@@ -13,6 +13,7 @@ from stagerun._lanes import (
     LANE_READY_TIMEOUT,
     REPLY_TIMEOUT_ENV,
     LanePool,
+    open_connection,
     stage_reply_timeout,
 )
 from stagerun.transports import TcpTransport
@@ -101,6 +102,23 @@ async def test_nothing_listening_is_a_clear_error() -> None:
     pool = LanePool(f"tcp://127.0.0.1:{port}", capacity=1, connect_timeout=1)
     with pytest.raises(LaneHandshakeError, match="could not connect"):
         await pool.start()
+
+
+async def test_a_stage_and_its_standbys_all_down_names_every_address() -> None:
+    ports = []
+    for _ in range(2):
+        listener = trio.socket.socket()
+        await listener.bind(("127.0.0.1", 0))
+        ports.append(listener.getsockname()[1])
+        listener.close()
+    primary, standby = (f"tcp://127.0.0.1:{port}" for port in ports)
+    with pytest.raises(LaneHandshakeError) as info:
+        await open_connection(
+            f"{primary},{standby}", role=_proto.Role.LANE, connect_timeout=1, ready_timeout=1
+        )
+    message = str(info.value)
+    assert message.startswith(f"no address of the stage answered ({primary}: could not connect")
+    assert f"; {standby}: could not connect" in message
 
 
 async def test_clean_request_sends_stop_and_reuses_lane_lifo(nursery: trio.Nursery) -> None:

@@ -436,7 +436,13 @@ async def test_standby_stages_take_over_when_the_primaries_die(tiny_model: Model
             health = await pipeline.check_health()
         assert_recovered(got, want)
         assert servers["s1"].computes > 0 and servers["s2"].computes > 0
-        assert [h.state for h in health] == ["ready"] * 3
+        # /health tells the failover as it is: primaries down, the standbys serving.
+        assert [h.available for h in health] == [True] * 3
+        for h, primary, standby in ((health[1], p1, s1), (health[2], p2, s2)):
+            json = h.to_json()
+            assert json["address"] == primary and json["state"] == "unreachable"
+            assert [s["address"] for s in json["standbys"]] == [standby]
+            assert json["standbys"][0]["state"] == "ready" and json["serving"] == standby
         nursery.cancel_scope.cancel()
 
 

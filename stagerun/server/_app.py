@@ -283,7 +283,7 @@ async def _generation(request: Request, kind: Kind) -> Response:
 async def _health(request: Request) -> Response:
     state = _state(request)
     health = await state.pipeline.check_health(timeout=state.health_timeout)
-    healthy = all(h.state == "ready" for h in health)
+    healthy = all(h.available for h in health)
     pool = state.pipeline.pool
     lanes = None
     if pool is not None:

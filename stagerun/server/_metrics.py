@@ -230,11 +230,11 @@ class Metrics:
         family(
             "stagerun_stage_up",
             "gauge",
-            "1 if the stage answered a handshake, else 0.",
+            "1 if the stage (its primary, or a standby) answered a handshake, else 0.",
             (
                 (
-                    {"stage": str(h.stage.index), "address": h.stage.address or "local"},
-                    1 if h.state == "ready" else 0,
+                    {"stage": str(h.stage.index), "address": h.primary},
+                    1 if h.available else 0,
                 )
                 for h in health
             ),
