@@ -1,19 +1,27 @@
-"""The docs' Python snippets run as written.
+"""The docs' snippets work as written: README.md, docs/ and the plugin and example READMEs.
 
-Every ```python block in README.md, docs/ and the plugin and example READMEs is collected and
-run in a fresh interpreter, with two substitutions so that it is quick and needs no network:
-the default model's name becomes the tiny test model's path, and the server URL of the API
-examples becomes a `stagerun serve` started here on the tiny model. A snippet that defines
-pytest tests is run by pytest in a new folder with the configuration docs/plugins.md tells a
-plugin project to use. A snippet that cannot run here is listed in `EXCLUDED` with the reason.
+* Every ```python block runs in a fresh interpreter, with two substitutions so that it is
+  quick and needs no network: the default model's name becomes the tiny test model's path, and
+  the API examples' server URL becomes a `stagerun serve` started here. A block that defines
+  pytest tests runs under pytest in a new folder, with the configuration docs/plugins.md tells a
+  plugin project to use. A block that cannot run here would be listed in `EXCLUDED`.
+* Every ``stagerun`` command in a ```sh or ```console block is parsed by the real command-line
+  parser (an option or value it refuses fails the test), except `PLACEHOLDERS` (``...``).
+* Every ``curl`` command runs as written against a `stagerun serve` of a tiny model served
+  under the default model's name, and must get an answer (an error only where the docs show
+  one).
 
-Shell snippets are not run yet (see docs/ for how each was checked by hand).
+Not run: the shell commands that start long-running servers, stages on other hosts,
+benchmarks, ``make`` and ``pip`` (the newcomer's path, `make run` and `make test`, is what CI
+runs); their ``stagerun`` lines are parsed.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -22,6 +30,7 @@ from collections.abc import Iterator
 import attrs
 import pytest
 
+from stagerun._options import build_parser
 from stagerun.testing import write_tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -86,12 +95,14 @@ def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def server_url(tiny_path: pathlib.Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A `stagerun serve` on the tiny model, for the snippets that talk to the API."""
-    log = (tmp_path_factory.mktemp("docs-serve") / "serve.log").open("wb")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A `stagerun serve` on a tiny model served as ``smollm2``, for the API snippets."""
+    folder = tmp_path_factory.mktemp("docs-serve")
+    model = write_tiny_model(folder / "smollm2.gguf", n_layers=6)  # served as "smollm2"
+    log = (folder / "serve.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "stagerun", "serve", "--port", "0", "--stages", "2",
-         "--model", str(tiny_path)],
+         "--model", str(model)],
         stdout=subprocess.PIPE, stderr=log,
     )  # fmt: skip
     try:
@@ -122,7 +133,7 @@ def test_python_snippet_runs(
     code = snippet.code.replace('"smollm2"', repr(str(tiny_path)))
     if "http://127.0.0.1:8000" in code:
         url = request.getfixturevalue("server_url")
-        code = code.replace("http://127.0.0.1:8000", url).replace(repr(str(tiny_path)), '"tiny"')
+        code = code.replace("http://127.0.0.1:8000", url).replace(repr(str(tiny_path)), '"smollm2"')
     if re.search(r"^(async )?def test_", code, re.M):
         (tmp_path / "pyproject.toml").write_text(pytest_config())
         (tmp_path / "test_snippet.py").write_text(code)
@@ -146,3 +157,127 @@ def test_python_snippet_runs(
         {result.stdout[-3000:]}
         --- stderr ---
         {result.stderr[-3000:]}""")
+
+
+# -- shell snippets ------------------------------------------------------------------------------
+
+SHELL = [s for lang in ("sh", "console") for s in snippets(lang)]
+HEREDOC = re.compile(r"<<\s*'?(\w+)'?")
+
+
+def _closed(line: str) -> bool:
+    """Whether every quote opened on ``line`` is closed (a quoted argument may span lines)."""
+    try:
+        shlex.split(line, comments=True)
+    except ValueError:
+        return False
+    return True
+
+
+def shell_commands(snippet: Snippet) -> list[tuple[int, str]]:
+    """The snippet's commands, one per entry with its line: continuations joined, console
+    prompts and heredoc bodies dropped."""
+    commands: list[tuple[int, str]] = []
+    lines = snippet.code.splitlines()
+    i = 0
+    while i < len(lines):
+        line, start = lines[i], snippet.line + i
+        while i + 1 < len(lines) and (line.endswith("\\") or not _closed(line)):
+            i += 1
+            line = (
+                line[:-1] + " " + lines[i].strip()
+                if line.endswith("\\")
+                else line + "\n" + lines[i]
+            )
+        i += 1
+        heredoc = HEREDOC.search(line)
+        if heredoc:  # skip the body, up to the terminator
+            while i < len(lines) and lines[i].strip() != heredoc.group(1):
+                i += 1
+            i += 1
+        line = line.strip().removeprefix("$ ")
+        if line and not line.startswith("#"):
+            commands.append((start, line))
+    return commands
+
+
+def stagerun_argv(command: str) -> list[str] | None:
+    """The arguments of a ``stagerun`` command line, or None if it runs something else."""
+    words = shlex.split(command, comments=True)
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VARIABLE=value prefixes
+        words = words[1:]
+    if words and words[-1] == "&":
+        words = words[:-1]
+    if not words or words[0].rsplit("/", 1)[-1] != "stagerun":
+        return None
+    return words[1:]
+
+
+STAGERUN_LINES = [
+    (s, line, command)
+    for s in SHELL
+    for line, command in shell_commands(s)
+    if stagerun_argv(command) is not None
+]
+# (document, line) of a stagerun command not parsed, and why
+PLACEHOLDERS: dict[tuple[str, int], str] = {
+    ("docs/observability.md", 10): "`...` stands for the other options",
+    ("plugins/stagerun-torch/README.md", 19): "`...` stands for the other options",
+}
+
+
+def test_the_shell_snippets_are_found_and_the_placeholders_still_point_at_one() -> None:
+    assert len(SHELL) >= 35 and len(STAGERUN_LINES) >= 40 and len(CURLS) >= 10
+    assert set(EXPECTED_ERRORS) <= {(s.document, line) for s, line, _ in CURLS}
+    places = {(s.document, line) for s, line, _ in STAGERUN_LINES}
+    assert set(PLACEHOLDERS) <= places, set(PLACEHOLDERS) - places
+    curls = sum(1 for s in SHELL for _, c in shell_commands(s) if c.startswith("curl "))
+    print(f"\n{len(SHELL)} shell snippets: {len(STAGERUN_LINES)} stagerun commands parsed "
+          f"({len(PLACEHOLDERS)} placeholders not), {curls} curl commands run")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("snippet", "line", "command"),
+    STAGERUN_LINES,
+    ids=[f"{s.document}:{line}" for s, line, _ in STAGERUN_LINES],
+)
+def test_every_documented_stagerun_command_parses(
+    snippet: Snippet, line: int, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each stagerun command line in the docs is one the command line accepts as written."""
+    if (snippet.document, line) in PLACEHOLDERS:
+        return
+    argv = stagerun_argv(command)
+    assert argv is not None
+    try:
+        build_parser().parse_args(argv)
+    except SystemExit as exc:
+        usage = capsys.readouterr().err.strip().splitlines()[-1:]
+        pytest.fail(f"{snippet.document}:{line}: `{command}` is refused: {usage} ({exc})")
+
+
+CURLS = [
+    (s, line, command)
+    for s in SHELL
+    for line, command in shell_commands(s)
+    if command.startswith("curl ")
+]
+EXPECTED_ERRORS = {("docs/api.md", 146)}  # the error envelope's example: a bad request
+
+
+@pytest.mark.parametrize(
+    ("snippet", "line", "command"), CURLS, ids=[f"{s.document}:{line}" for s, line, _ in CURLS]
+)
+def test_every_documented_curl_gets_its_answer(
+    snippet: Snippet, line: int, command: str, server_url: str
+) -> None:
+    """Run as written against a served model (the tiny one, served as ``smollm2``)."""
+    command = command.replace("http://127.0.0.1:8000", "$U")
+    result = subprocess.run(
+        ["bash", "-c", command], env={**os.environ, "U": server_url},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, (snippet.id, command, result.stderr)
+    assert result.stdout.strip(), (snippet.id, command)
+    answered_error = '"error"' in result.stdout
+    assert answered_error == ((snippet.document, line) in EXPECTED_ERRORS), result.stdout[:500]
