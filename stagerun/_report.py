@@ -78,9 +78,17 @@ class Timeline:
 
 
 def load_trace(path: str | pathlib.Path) -> list[Record]:
-    """The records of a JSON-lines trace (what `telemetry.JsonLinesSink` writes)."""
+    """The records of a JSON-lines trace (what `telemetry.JsonLinesSink` writes).
+
+    Raises:
+        ValueError: the file cannot be read, or a line is not a record.
+    """
     records = []
-    with open(path, encoding="utf-8") as lines:
+    try:
+        lines = open(path, encoding="utf-8")  # noqa: SIM115 (closed by the with below)
+    except OSError as exc:
+        raise ValueError(f"cannot read the trace {path}: {exc.strerror or exc}") from None
+    with lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue

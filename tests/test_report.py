@@ -88,6 +88,8 @@ def test_a_trace_without_what_the_timeline_needs_says_so(tmp_path: pathlib.Path)
                    '"end_time_unix_nanos": 2}\nnot json\n')  # fmt: skip
     with pytest.raises(ValueError, match=r"trace.jsonl:2: not a telemetry record"):
         load_trace(bad)
+    with pytest.raises(ValueError, match=r"cannot read the trace .*missing.jsonl: No such file"):
+        load_trace(tmp_path / "missing.jsonl")
 
 
 def png_size(path: pathlib.Path) -> tuple[int, int]:
