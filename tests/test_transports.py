@@ -117,3 +117,20 @@ async def test_ws_idle_lane_with_a_closed_peer_is_not_live(nursery: trio.Nursery
         while framed.is_live():  # noqa: ASYNC110 (polling a synchronous socket probe)
             await trio.sleep(0.01)
     await framed.aclose()
+
+
+async def test_a_socket_that_connects_to_itself_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dialling a dead loopback port can, rarely, connect the socket to itself: no stage."""
+    import stagerun.transports._tcp as tcp
+
+    async def self_connected(host: str, port: int) -> trio.SocketStream:
+        sock = trio.socket.socket()
+        await sock.bind(("127.0.0.1", 0))
+        await sock.connect(sock.getsockname())  # a TCP simultaneous open with itself
+        return trio.SocketStream(sock)
+
+    monkeypatch.setattr(tcp.trio, "open_tcp_stream", self_connected)
+    with pytest.raises(
+        LaneHandshakeError, match=r"could not connect to tcp://.*connected to itself"
+    ):
+        await plugins.transport("tcp").connect("tcp://127.0.0.1:9", timeout=5)

@@ -7,6 +7,7 @@ it really bound (port 0 picks a free port) through ``task_status.started``.
 
 from __future__ import annotations
 
+import errno
 import socket
 from functools import partial
 from typing import ClassVar
@@ -38,6 +39,29 @@ def parse_address(address: str) -> tuple[str, str, int]:
     return scheme, host, port
 
 
+async def open_tcp(host: str, port: int) -> trio.SocketStream:
+    """`trio.open_tcp_stream` with TCP_NODELAY, refusing a connection to itself.
+
+    Dialling a loopback port in the ephemeral range where nothing listens can, rarely, connect
+    the socket to itself: the kernel picks that very port as its source, and the SYNs meet
+    (seen under load, when a killed stage's port was probed). No stage is there.
+
+    Raises:
+        OSError: the connection failed, or it reached itself (``ECONNREFUSED``).
+    """
+    stream = await trio.open_tcp_stream(host, port)
+    try:
+        if stream.socket.getsockname() == stream.socket.getpeername():
+            raise ConnectionRefusedError(
+                errno.ECONNREFUSED, "nothing listens there (the socket connected to itself)"
+            )
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return stream
+
+
 def format_address(scheme: str, host: str, port: int) -> str:
     if ":" in host:
         host = f"[{host}]"
@@ -58,14 +82,13 @@ class TcpTransport(Transport):
         where = format_address("tcp", host, port)
         try:
             with trio.fail_after(timeout):
-                stream = await trio.open_tcp_stream(host, port)
+                stream = await open_tcp(host, port)
         except trio.TooSlowError as exc:
             raise LaneHandshakeError(f"could not connect to {where} within {timeout:g}s") from exc
         except OSError as exc:
             raise LaneHandshakeError(
                 f"could not connect to {where}: {exc.strerror or exc}"
             ) from exc
-        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
         return stream
 
     async def serve(

@@ -37,7 +37,7 @@ import trio
 from .._errors import LaneHandshakeError
 from .._framed import socket_is_idle
 from ..abc import ConnectionHandler, Transport
-from ._tcp import format_address, parse_address
+from ._tcp import format_address, open_tcp, parse_address
 
 __all__ = ["TlsStream", "TlsTransport", "client_context", "server_context"]
 
@@ -155,8 +155,7 @@ class TlsTransport(Transport):
         context = client_context()
         try:
             with trio.fail_after(timeout):
-                tcp = await trio.open_tcp_stream(host, port)
-                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+                tcp = await open_tcp(host, port)
                 stream = trio.SSLStream(tcp, context, server_hostname=host)
                 try:
                     await stream.do_handshake()

@@ -18,7 +18,6 @@ nothing, because bytes read from the socket are parsed before the next checkpoin
 
 from __future__ import annotations
 
-import socket
 from typing import Any, ClassVar
 
 import trio
@@ -33,7 +32,7 @@ from .._framed import socket_is_idle
 from .._proto import DEFAULT_MAX_PAYLOAD_BYTES
 from .._proto._frames import MAX_HEADER_BYTES, PREFIX_SIZE
 from ..abc import ConnectionHandler, Transport
-from ._tcp import format_address
+from ._tcp import format_address, open_tcp
 from ._tls import TlsStream, client_context, server_context
 
 __all__ = ["WebSocketTransport"]
@@ -201,8 +200,7 @@ class WebSocketTransport(Transport):
         stream: Any = None
         try:
             with trio.fail_after(timeout):
-                tcp = await trio.open_tcp_stream(host, port)
-                tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+                tcp = await open_tcp(host, port)
                 stream = tcp
                 if self.secure:
                     tls = trio.SSLStream(tcp, client_context(), server_hostname=host)
