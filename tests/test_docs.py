@@ -7,6 +7,8 @@
   plugin project to use. A block that cannot run here would be listed in `EXCLUDED`.
 * Every ``stagerun`` command in a ```sh or ```console block is parsed by the real command-line
   parser (an option or value it refuses fails the test), except `PLACEHOLDERS` (``...``).
+* Every ``stagerun generate`` that needs no other host, server or running stage runs as
+  written, on the tiny model.
 * Every ``curl`` command runs as written against a `stagerun serve` of a tiny model served
   under the default model's name, and must get an answer (an error only where the docs show
   one).
@@ -231,9 +233,9 @@ def test_the_shell_snippets_are_found_and_the_placeholders_still_point_at_one() 
     assert set(EXPECTED_ERRORS) <= {(s.document, line) for s, line, _ in CURLS}
     places = {(s.document, line) for s, line, _ in STAGERUN_LINES}
     assert set(PLACEHOLDERS) <= places, set(PLACEHOLDERS) - places
-    curls = sum(1 for s in SHELL for _, c in shell_commands(s) if c.startswith("curl "))
     print(f"\n{len(SHELL)} shell snippets: {len(STAGERUN_LINES)} stagerun commands parsed "
-          f"({len(PLACEHOLDERS)} placeholders not), {curls} curl commands run")  # fmt: skip
+          f"({len(PLACEHOLDERS)} placeholders not), {len(GENERATES)} of them run, "
+          f"{len(CURLS)} curl commands run")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -281,3 +283,33 @@ def test_every_documented_curl_gets_its_answer(
     assert result.stdout.strip(), (snippet.id, command)
     answered_error = '"error"' in result.stdout
     assert answered_error == ((snippet.document, line) in EXPECTED_ERRORS), result.stdout[:500]
+
+
+def _runs_here(command: str) -> bool:
+    """A documented `stagerun generate` that needs no other host, server or running stage."""
+    argv = stagerun_argv(command) or []
+    return argv[:1] == ["generate"] and "--topology" not in argv and "llama-server" not in argv
+
+
+GENERATES = [(s, line, c) for s, line, c in STAGERUN_LINES if _runs_here(c)]
+
+
+@pytest.mark.parametrize(
+    ("snippet", "line", "command"),
+    GENERATES,
+    ids=[f"{s.document}:{line}" for s, line, _ in GENERATES],
+)
+def test_every_documented_generate_runs(
+    snippet: Snippet, line: int, command: str, tiny_path: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """Run as written, on the tiny model (Q4_0 where a backend reads Q4 blocks)."""
+    model = tiny_path
+    if "torch-int4" in command:
+        model = write_tiny_model(tmp_path / "tiny-q4.gguf", n_layers=6, weights="Q4_0")
+    argv = [*(stagerun_argv(command) or []), "--model", str(model)]
+    result = subprocess.run(
+        [sys.executable, "-m", "stagerun", *argv],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, (snippet.id, line, command, result.stderr[-2000:])
+    assert result.stdout.strip(), (snippet.id, line, command)
