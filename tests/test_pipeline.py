@@ -15,6 +15,7 @@ import numpy.typing as npt
 import pytest
 import trio
 from _oracle import assert_varied
+from _processes import running
 
 import stagerun
 from stagerun import (
@@ -46,18 +47,9 @@ def test_split_layers_is_even_and_contiguous() -> None:
         split_layers(3, 4)
 
 
-def _exited(pid: int) -> bool:
-    """True once ``pid`` has exited (gone, or a zombie): its sockets are closed by then."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 async def _wait_until_dead(pid: int) -> None:
     with trio.fail_after(60):  # only a hang fails; SIGKILL normally takes milliseconds
-        while not _exited(pid):  # noqa: ASYNC110 (no event tells when another process dies)
+        while running(pid):  # noqa: ASYNC110 (no event tells when another process dies)
             await trio.sleep(0.01)
 
 

@@ -24,6 +24,7 @@ import httpx
 import openai
 import pytest
 import trio
+from _processes import running
 
 from stagerun import SamplingParams, open_pipeline
 from stagerun.testing import write_tiny_model
@@ -82,15 +83,6 @@ class LiveServer:
         self.proc.stdout.close()
         self._log_file.close()
         return code, rest
-
-
-def running(pid: int) -> bool:
-    """True while ``pid`` is a live (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
