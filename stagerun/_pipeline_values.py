@@ -8,6 +8,7 @@ from typing import Any, Literal
 import attrs
 import trio
 
+from ._lanes import alternatives
 from .model import ModelFile
 
 __all__ = [
@@ -121,7 +122,7 @@ class StageHealth:
 
     @property
     def primary(self) -> str:
-        return (self.stage.address or "local").split(",")[0].strip()
+        return alternatives(self.stage.address)[0] if self.stage.address else "local"
 
     @property
     def available(self) -> bool:
