@@ -1,9 +1,41 @@
 """stagerun: run one language model split by layers across a pipeline of stages, on Trio.
 
-The public API is re-exported here; everything else lives in private modules.
+The public API is re-exported here; everything else lives in private modules, grouped by the
+side of a lane they run on. The layers, lowest first; each imports only from itself and from
+layers below it (tests/test_layers.py checks this on the import graph):
+
+1. base: the error tree (``_errors``), small helpers, ``telemetry``;
+2. ``_proto``: the wire format, sans-IO (bytes in, values out);
+3. ``_decide``: the decisions, sans-IO (windows, verdicts, speculation, pace, prefill
+   planning, sampling); like ``_proto`` it never imports Trio, sockets, threads or a clock;
+4. ``model`` and ``plugins``: GGUF files, tokenizers; the entry-point registry;
+5. ``_wire``: both ends of a lane (framed streams with deadlines, handshakes, dialling, secrets);
+6. ``abc``: the plugin interfaces, declared once;
+7. ``transports``, ``backends``, ``drafters``: the built-in plugins;
+8. ``_stage``: the stage side (the stage server and its lane workers);
+9. ``_driver``: stage 0 (configuration, launch, supervision, the lane pool, requests);
+10. ``server`` (the HTTP API) and ``testing`` (the plugin authors' kit);
+11. ``_cli``: the command line and its benchmarks.
 """
 
 from . import _blas  # noqa: F401  (must run before numpy loads OpenBLAS)
+from ._driver._config import PipelineConfig as PipelineConfig
+from ._driver._config import PipelinePlan as PipelinePlan
+from ._driver._config import StagePlan as StagePlan
+from ._driver._config import plan as plan
+from ._driver._config import split_layers as split_layers
+from ._driver._lanes import Lane as Lane
+from ._driver._lanes import LanePool as LanePool
+from ._driver._launch import open_pipeline as open_pipeline
+from ._driver._pipeline import Pipeline as Pipeline
+from ._driver._speculative import SpeculationConfig as SpeculationConfig
+from ._driver._supervise import SupervisionPolicy as SupervisionPolicy
+from ._driver._values import Completion as Completion
+from ._driver._values import GenerationStream as GenerationStream
+from ._driver._values import RecoveryPolicy as RecoveryPolicy
+from ._driver._values import StageHealth as StageHealth
+from ._driver._values import StageInfo as StageInfo
+from ._driver._values import TokenChunk as TokenChunk
 from ._errors import ComputeCancelled as ComputeCancelled
 from ._errors import LaneBrokenError as LaneBrokenError
 from ._errors import LaneError as LaneError
@@ -17,22 +49,9 @@ from ._errors import RecoveryFailedError as RecoveryFailedError
 from ._errors import StageError as StageError
 from ._errors import StagerunError as StagerunError
 from ._errors import UnsupportedModelError as UnsupportedModelError
-from ._lanes import Lane as Lane
-from ._lanes import LanePool as LanePool
-from ._launch import open_pipeline as open_pipeline
-from ._launch import split_layers as split_layers
-from ._pipeline import Pipeline as Pipeline
-from ._pipeline_values import Completion as Completion
-from ._pipeline_values import GenerationStream as GenerationStream
-from ._pipeline_values import RecoveryPolicy as RecoveryPolicy
-from ._pipeline_values import StageHealth as StageHealth
-from ._pipeline_values import StageInfo as StageInfo
-from ._pipeline_values import TokenChunk as TokenChunk
 from ._proto import SamplingParams as SamplingParams
-from ._speculative import SpeculationConfig as SpeculationConfig
-from ._stage import StageServer as StageServer
-from ._stage import serve_stage as serve_stage
-from ._supervise import SupervisionPolicy as SupervisionPolicy
+from ._stage._server import StageServer as StageServer
+from ._stage._server import serve_stage as serve_stage
 
 __version__ = "0.1.0"
 
@@ -50,6 +69,8 @@ __all__ = [
     "ModelError",
     "ModelNotFoundError",
     "Pipeline",
+    "PipelineConfig",
+    "PipelinePlan",
     "ProtocolError",
     "RecoveryFailedError",
     "RecoveryPolicy",
@@ -58,6 +79,7 @@ __all__ = [
     "StageError",
     "StageHealth",
     "StageInfo",
+    "StagePlan",
     "StageServer",
     "StagerunError",
     "SupervisionPolicy",
@@ -65,6 +87,7 @@ __all__ = [
     "UnsupportedModelError",
     "__version__",
     "open_pipeline",
+    "plan",
     "serve_stage",
     "split_layers",
 ]

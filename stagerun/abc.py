@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import trio
 
+from ._wire._address import parse_address
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -81,8 +83,6 @@ class Transport(abc.ABC):
         address's scheme, before anything connects. The default accepts ``SCHEME://HOST:PORT``;
         a transport whose addresses are something else (a Unix socket path) overrides it.
         """
-        from .transports import parse_address  # the built-ins import this module
-
         parse_address(address)
 
     @abc.abstractmethod

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from stagerun._options import build_parser
+from stagerun._cli._options import build_parser
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTS = [

@@ -6,7 +6,7 @@ import numpy as np
 import trio
 
 from stagerun import _proto as proto
-from stagerun._lanes import open_connection
+from stagerun._wire._connect import open_connection
 from stagerun.backends import NumpyBackend
 
 

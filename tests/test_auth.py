@@ -11,9 +11,9 @@ from _oracle import assert_varied
 
 from stagerun import LaneHandshakeError, ProtocolError, open_pipeline
 from stagerun import _proto as proto
-from stagerun._auth import SECRET_ENV, SECRET_FILE_ENV, lane_secret
-from stagerun._lanes import open_connection
-from stagerun._stage import StageServer
+from stagerun._stage._server import StageServer
+from stagerun._wire._auth import SECRET_ENV, SECRET_FILE_ENV, lane_secret
+from stagerun._wire._connect import open_connection
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
 
@@ -206,7 +206,7 @@ async def test_stage_processes_share_the_secret_file(
 def test_serving_without_a_secret_beyond_loopback_warns(
     tiny_model: ModelFile, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from stagerun._stage import _warn_if_open
+    from stagerun._stage._server import _warn_if_open
 
     _warn_if_open("tcp://0.0.0.0:9001", None, 1)
     _warn_if_open("tcp://127.0.0.1:9001", None, 1)

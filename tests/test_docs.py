@@ -41,7 +41,7 @@ from _snippets import (
     stagerun_argv,
 )
 
-from stagerun._options import build_parser
+from stagerun._cli._options import build_parser
 from stagerun.testing import write_tiny_model
 
 # (document, first line of the snippet's code) -> why it is not run here

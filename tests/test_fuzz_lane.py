@@ -36,11 +36,11 @@ from hypothesis import strategies as st
 
 from stagerun import LaneError, open_pipeline
 from stagerun import _proto as proto
-from stagerun._auth import SECRET_ENV, SECRET_FILE_ENV
-from stagerun._framed import FrameStream
-from stagerun._lanes import open_connection
-from stagerun._stage import StageServer
-from stagerun._stage_lane import MAX_SESSIONS_PER_LANE
+from stagerun._stage._server import StageServer
+from stagerun._stage._worker import MAX_SESSIONS_PER_LANE
+from stagerun._wire._auth import SECRET_ENV, SECRET_FILE_ENV
+from stagerun._wire._connect import open_connection
+from stagerun._wire._framed import FrameStream
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
 
@@ -391,7 +391,9 @@ def test_hostile_frame_sequences_on_an_open_lane(
 
     caplog.clear()
     with pytest.MonkeyPatch.context() as env:
-        env.setattr("stagerun._stage.SINK_WAIT_SECONDS", 0.2)  # a Configure with nobody's key
+        env.setattr(
+            "stagerun._stage._server.SINK_WAIT_SECONDS", 0.2
+        )  # a Configure with nobody's key
         env.delenv(SECRET_FILE_ENV, raising=False)
         if secret is None:
             env.delenv(SECRET_ENV, raising=False)

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stagerun import _proto as proto
-from stagerun._lanes import open_connection
-from stagerun._stage import StageServer
+from stagerun._stage._server import StageServer
+from stagerun._wire._connect import open_connection
 from stagerun.backends import NumpyBackend
 
 HELLO = proto.encode_hello(proto.Role.LANE)
@@ -136,7 +136,7 @@ def test_a_refused_configure_refuses_the_prefill_sent_right_behind_it(
 ) -> None:
     """Stage 0 sends the prefill without waiting for Configure's ack: if the last stage could
     not bind the return connection, the prefill must be refused too, never computed."""
-    monkeypatch.setattr("stagerun._stage.SINK_WAIT_SECONDS", 0.2)
+    monkeypatch.setattr("stagerun._stage._server.SINK_WAIT_SECONDS", 0.2)
 
     async def main() -> None:
         server = StageServer(last_stage_backend, index=1, secret=None)

@@ -23,10 +23,11 @@ import trio.testing
 
 from stagerun import LaneHandshakeError
 from stagerun import _proto as proto
-from stagerun._framed import DEFAULT_HANDSHAKE_TIMEOUT, client_handshake, server_handshake
-from stagerun._lanes import LanePool, open_connection
-from stagerun._options import build_parser
-from stagerun._stage import StageServer
+from stagerun._cli._options import build_parser
+from stagerun._driver._lanes import LanePool
+from stagerun._stage._server import StageServer
+from stagerun._wire._connect import open_connection
+from stagerun._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT, client_handshake, server_handshake
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
 

@@ -6,16 +6,15 @@ import pytest
 import trio
 
 from stagerun import _proto
+from stagerun._driver._lanes import LANE_READY_TIMEOUT, LanePool
 from stagerun._errors import LaneHandshakeError
-from stagerun._framed import FrameStream, server_handshake
-from stagerun._lanes import (
+from stagerun._wire._connect import (
     DEFAULT_REPLY_TIMEOUT,
-    LANE_READY_TIMEOUT,
     REPLY_TIMEOUT_ENV,
-    LanePool,
     open_connection,
     stage_reply_timeout,
 )
+from stagerun._wire._framed import FrameStream, server_handshake
 from stagerun.transports import TcpTransport
 
 

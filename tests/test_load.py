@@ -20,7 +20,7 @@ import pytest
 import trio
 from test_server_live import LiveServer
 
-from stagerun._bench import process_tree_rss_mb
+from stagerun._cli._bench import process_tree_rss_mb
 from stagerun.testing import write_tiny_model
 
 REQUESTS = int(os.environ.get("STAGERUN_LOAD_REQUESTS", "64"))

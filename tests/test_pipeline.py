@@ -26,7 +26,7 @@ from stagerun import (
     split_layers,
 )
 from stagerun._errors import LaneError, StageError
-from stagerun._lanes import stage_reply_timeout
+from stagerun._wire._connect import stage_reply_timeout
 from stagerun.backends import NumpyBackend
 from stagerun.testing import write_tiny_model
 from stagerun.transports import parse_address

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stagerun import SpeculationConfig, plugins
-from stagerun._cli import main
+from stagerun._cli._main import main
 from stagerun.drafters import NgramDrafter
 from stagerun.transports import TcpTransport, WebSocketTransport
 

@@ -11,9 +11,9 @@ import pytest
 import trio
 
 from stagerun import _proto, open_pipeline
-from stagerun._chunked_prefill import PrefillReport, send_prefill
+from stagerun._decide._prefill import PrefillTransportEstimate, parse_chunk_policy
+from stagerun._driver._prefill import PrefillReport, send_prefill
 from stagerun._errors import StageError
-from stagerun._proto._prefill import PrefillTransportEstimate, parse_chunk_policy
 
 PROMPT_IDS = [(i * 37) % 270 + 3 for i in range(420)]  # a 420-token prompt (tiny vocab: 279)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stagerun._proto._prefill import (
+from stagerun._decide._prefill import (
     AdaptiveRamp,
     DownstreamPrefillReport,
     FixedChunks,

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from stagerun._cli import main
-from stagerun._report import load_trace, request_timeline
+from stagerun._cli._main import main
+from stagerun._cli._report import load_trace, request_timeline
 from stagerun.telemetry import Record
 
 MS = 1_000_000  # nanoseconds

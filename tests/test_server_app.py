@@ -290,7 +290,7 @@ async def test_pipeline_failures_map_to_502_504_or_a_final_sse_error(
 
 
 async def test_speculative_pipelines_report_their_timings(tiny: Path) -> None:
-    from stagerun._speculative import SpeculationConfig
+    from stagerun._driver._speculative import SpeculationConfig
 
     async with (
         open_pipeline(tiny, stages=3, speculation=SpeculationConfig("ngram", depth=4)) as pipeline,
@@ -362,8 +362,8 @@ def test_an_empty_api_key_is_an_error_and_no_key_beyond_loopback_warns(
 
 async def test_the_http_request_id_reaches_the_trace_and_picks_the_timeline(tiny: Path) -> None:
     from stagerun import telemetry
-    from stagerun._options import _request_selector
-    from stagerun._report import request_timeline
+    from stagerun._cli._options import _request_selector
+    from stagerun._cli._report import request_timeline
 
     recorder = telemetry.Telemetry("debug", [], capacity=100_000)
     previous = telemetry.set_current(recorder)

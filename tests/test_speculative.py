@@ -11,8 +11,16 @@ import attrs
 import pytest
 import trio
 
-from stagerun import SamplingParams, StageServer, _proto, open_pipeline, split_layers, telemetry
-from stagerun._speculative import DepthControl, PaceCheck, SpeculationConfig
+from stagerun import (
+    SamplingParams,
+    StageServer,
+    _decide,
+    open_pipeline,
+    split_layers,
+    telemetry,
+)
+from stagerun._decide._pace import DepthControl, PaceCheck
+from stagerun._driver._speculative import SpeculationConfig
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import OracleDrafter
 from stagerun.testing import write_tiny_model
@@ -209,8 +217,8 @@ async def test_draft_model_drafter_end_to_end(tiny: Path) -> None:
     assert first.timings["speculative_accept_rate"] == 1.0
 
 
-def _stats_after(windows: int, full: int, proposed: int) -> _proto.SpeculationStats:
-    return _proto.SpeculationStats(windows=windows, full_accept_windows=full, proposed=proposed)
+def _stats_after(windows: int, full: int, proposed: int) -> _decide.SpeculationStats:
+    return _decide.SpeculationStats(windows=windows, full_accept_windows=full, proposed=proposed)
 
 
 def test_adaptive_depth_follows_the_full_accept_rate() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stagerun import SamplingParams, SpeculationConfig, open_pipeline
-from stagerun._bench import SPECULATIVE_PROMPTS
+from stagerun._cli._bench import SPECULATIVE_PROMPTS
 from stagerun.drafters import OracleDrafter
 
 pytestmark = pytest.mark.slow

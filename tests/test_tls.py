@@ -15,9 +15,9 @@ import trio
 import trustme
 
 from stagerun import LaneHandshakeError, StageServer, open_pipeline, plugins
-from stagerun._auth import SECRET_ENV
-from stagerun._lanes import open_connection
 from stagerun._proto import Role
+from stagerun._wire._auth import SECRET_ENV
+from stagerun._wire._connect import open_connection
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
 from stagerun.testing import check_transport

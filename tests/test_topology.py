@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stagerun._topology import TopologyError, load_topology
+from stagerun._driver._topology import TopologyError, load_topology
 
 GOOD = """
 model = "smollm2"

@@ -10,8 +10,8 @@ from _oracle import assert_varied
 
 from stagerun import open_pipeline, plugins
 from stagerun._errors import LaneHandshakeError
-from stagerun._framed import client_handshake, server_handshake
 from stagerun._proto import Role
+from stagerun._wire._framed import client_handshake, server_handshake
 from stagerun.transports import WebSocketTransport
 from stagerun.transports._websocket import parse_ws_address
 

@@ -12,8 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stagerun._errors import VerifyWindowError
-from stagerun._proto import (
+from stagerun._decide import (
     Commit,
     Finish,
     NewEpoch,
@@ -25,6 +24,7 @@ from stagerun._proto import (
     compose_target_predictions,
     speculation_timings,
 )
+from stagerun._errors import VerifyWindowError
 
 FULL, STOP = VerdictKind.FULL_ACCEPT, VerdictKind.ACCEPTED_STOP
 TAIL, EARLY, EARLY_STOP = (

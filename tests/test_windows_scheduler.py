@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from stagerun._errors import ProtocolError, VerifyWindowError
-from stagerun._proto import (
+from stagerun._decide import (
     MAX_VERIFY_WINDOW_DEPTH,
     VerifyWindowScheduler,
     response_timings,
     telemetry_attributes,
 )
+from stagerun._errors import ProtocolError, VerifyWindowError
 
 # --- ported from verify_window_scheduler.rs ----------------------------------------------------
 

@@ -20,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from stagerun._proto import (
+from stagerun._decide import (
     Command,
     Commit,
     Finish,

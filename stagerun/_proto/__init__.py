@@ -1,8 +1,9 @@
-"""The sans-IO wire protocol: handshake, frames, messages and activation codecs.
+"""The wire format: handshake, frames, messages and activation codecs (sans-IO).
 
 Everything here turns bytes into values and values into bytes, and nothing else: no sockets, no
-clocks, no Trio (a test imports this package alone and checks that ``trio`` stays unloaded).
-Transports and the stage server drive it with ``receive_data()`` / ``next_frame()``.
+clocks, no Trio, no decisions (those are in `stagerun._decide`). It imports only the error
+tree; tests/test_layers.py checks that. Transports and the stage server drive it with
+``receive_data()`` / ``next_frame()``.
 """
 
 from ._activations import ACTIVATION_DTYPES as ACTIVATION_DTYPES
@@ -60,24 +61,3 @@ from ._messages import StageStats as StageStats
 from ._messages import Stop as Stop
 from ._messages import Trim as Trim
 from ._messages import Verify as Verify
-from ._speculation import Command as Command
-from ._speculation import Commit as Commit
-from ._speculation import DraftRequest as DraftRequest
-from ._speculation import Finish as Finish
-from ._speculation import FinishReason as FinishReason
-from ._speculation import NewEpoch as NewEpoch
-from ._speculation import SendWindow as SendWindow
-from ._speculation import SpeculationController as SpeculationController
-from ._speculation import WindowTimings as WindowTimings
-from ._verdict import SpeculationStats as SpeculationStats
-from ._verdict import Verdict as Verdict
-from ._verdict import VerdictKind as VerdictKind
-from ._verdict import accept_window as accept_window
-from ._verdict import compose_target_predictions as compose_target_predictions
-from ._verdict import speculation_timings as speculation_timings
-from ._windows import MAX_VERIFY_WINDOW_DEPTH as MAX_VERIFY_WINDOW_DEPTH
-from ._windows import VerifyWindow as VerifyWindow
-from ._windows import VerifyWindowScheduler as VerifyWindowScheduler
-from ._windows import VerifyWindowStats as VerifyWindowStats
-from ._windows import response_timings as response_timings
-from ._windows import telemetry_attributes as telemetry_attributes

@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import Iterable
 
-import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -26,11 +25,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .._pipeline import Pipeline
+from .._driver._pipeline import Pipeline
 from .._proto import SamplingParams
 from ._admission import Admission
 from ._generation import GenerationResponse, json_message
-from ._metrics import CONTENT_TYPE, Metrics
+from ._metrics import CONTENT_TYPE
 from ._openai import (
     ApiError,
     GenerationRequest,
@@ -40,42 +39,19 @@ from ._openai import (
     parse_json_body,
 )
 from ._responses import ResponseShape
+from ._state import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    MAX_BODY_BYTES,
+    MAX_TOKENS_LIMIT,
+    ServerState,
+)
 
 log = logging.getLogger("stagerun.server")
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DEFAULT_MAX_TOKENS = 512  # a chat request that names no max_tokens
-MAX_TOKENS_LIMIT = 4096  # no request generates more, whatever it asks for
 ENDPOINTS = frozenset(
     {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
 )
-
-
-@attrs.define
-class ServerState:
-    """What the handlers share: the pipeline, admission, metrics and the served model id."""
-
-    pipeline: Pipeline
-    admission: Admission
-    model_id: str
-    model_aliases: frozenset[str]
-    metrics: Metrics = attrs.field(factory=Metrics)
-    max_body_bytes: int = MAX_BODY_BYTES
-    max_tokens_default: int = DEFAULT_MAX_TOKENS
-    max_tokens_limit: int = MAX_TOKENS_LIMIT
-    health_timeout: float = 1.0
-    started: int = attrs.field(factory=lambda: int(time.time()))
-
-    def check_model(self, model: str) -> None:
-        if model != self.model_id and model not in self.model_aliases:
-            raise ApiError(
-                404,
-                f"the model {model!r} is not served here; use {self.model_id!r} "
-                "(GET /v1/models lists it)",
-                param="model",
-                code="model_not_found",
-            )
 
 
 def create_app(

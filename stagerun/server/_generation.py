@@ -24,15 +24,15 @@ import trio
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from .._driver._values import Completion
 from .._errors import LaneError, LaneTimeoutError, StageError, StagerunError
-from .._pipeline_values import Completion
 from .._proto import SamplingParams
 from ._admission import Ticket
 from ._openai import ApiError
 from ._responses import DONE_EVENT, ResponseShape, sse_event
 
 if TYPE_CHECKING:
-    from ._app import ServerState
+    from ._state import ServerState
 
 log = logging.getLogger("stagerun.server")
 

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from .._lanes import LanePool
-from .._pipeline import Pipeline
-from .._pipeline_values import StageHealth
+from .._driver._lanes import LanePool
+from .._driver._pipeline import Pipeline
+from .._driver._values import StageHealth
 from ._admission import Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from .._pipeline_values import Completion
+from .._driver._values import Completion
 from ._openai import GenerationRequest
 
 DONE_EVENT = b"data: [DONE]\n\n"

@@ -24,16 +24,14 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
-from .._auth import is_loopback
+from .._driver._config import PipelineConfig
+from .._driver._launch import open_pipeline
+from .._driver._topology import load_topology
 from .._errors import StagerunError
-from .._launch import Mode, open_pipeline
-from .._pipeline_values import RecoveryPolicy
-from .._proto import ActivationDType
-from .._speculative import SpeculationConfig
-from .._supervise import SupervisionPolicy
-from .._topology import load_topology
 from .._util import single_exceptions
-from ._app import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT, create_app
+from .._wire._auth import is_loopback
+from ._app import create_app
+from ._state import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 
 API_KEY_ENV = "STAGERUN_API_KEY"
 log = logging.getLogger("stagerun.serve")
@@ -44,33 +42,24 @@ class ServeError(StagerunError):
     """``stagerun serve`` could not start serving (the message says why)."""
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class ServeOptions:
-    """What ``stagerun serve`` was asked to do."""
+    """What ``stagerun serve`` was asked to do: a pipeline, and the HTTP server in front of it.
 
-    model: str | None = None
-    stages: int = 3
-    topology: str | None = None
+    The pipeline's ``capacity`` is also how many requests generate at once (``--parallel``).
+    """
+
+    model: str | None = None  # default: the topology's model, or smollm2
+    pipeline: PipelineConfig = attrs.field(
+        factory=lambda: PipelineConfig(stages=3, mode="processes", capacity=4)
+    )
+    topology: str | None = None  # where the pipeline's layers and addresses came from
     host: str = "127.0.0.1"
     port: int = 8000
-    parallel: int = 4
     max_queue: int = 16
-    threads: int | None = None
-    mode: Mode = "processes"
-    wire_dtype: ActivationDType = "f32"
     api_key: str | None = None
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     max_tokens_limit: int = MAX_TOKENS_LIMIT
-    speculation: SpeculationConfig | None = None
-    hop_delay_ms: float = 0.0
-    bandwidth_mbps: float | None = None
-    transport: str = "tcp"
-    transports: tuple[str, ...] | None = None
-    backend: str = "numpy"
-    backends: tuple[str, ...] | None = None
-    device: str | None = None
-    recovery: RecoveryPolicy | None = None
-    supervision: SupervisionPolicy | None = None
 
 
 def served_model_id(model: str) -> str:
@@ -105,34 +94,26 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
         StagerunError, ValueError: the pipeline could not start (bad model, dead stage, ...).
     """
     out = stdout if stdout is not None else sys.stdout
-    if options.parallel < 1:
-        raise ValueError(f"--parallel must be at least 1, got {options.parallel}")
+    wanted = options.pipeline
+    if wanted.capacity < 1:
+        raise ValueError(f"--parallel must be at least 1, got {wanted.capacity}")
     if options.max_queue < 0:
         raise ValueError(f"--max-queue must be 0 or more, got {options.max_queue}")
-    layers: list[tuple[int, int]] | None = None
-    remote: list[str] | None = None
     model = options.model
-    stages = options.stages
     if options.topology is not None:
-        topology = load_topology(options.topology)
-        model = model or topology.model
-        layers = topology.layer_ranges
-        remote = topology.remote_addresses or None
-        stages = len(layers)
-        if remote is None and len(layers) > 1:
-            raise ValueError(f"topology {options.topology} lists stages without addresses")
+        model = model or load_topology(options.topology).model
     model = model or "smollm2"
-    if stages < 1:
-        raise ValueError(f"--stages must be at least 1, got {stages}")
+    if wanted.layers is None and wanted.stages < 1:
+        raise ValueError(f"--stages must be at least 1, got {wanted.stages}")
     api_key = resolve_api_key(options.api_key, options.host)
     if not 1 <= options.max_tokens_default <= options.max_tokens_limit:
         raise ValueError(
             f"--max-tokens-default ({options.max_tokens_default}) must be between 1 and "
             f"--max-tokens-limit ({options.max_tokens_limit})"
         )
-    threads = options.threads
-    if threads is None and options.mode == "processes" and remote is None:
-        threads = default_threads(stages)
+    if wanted.threads is None and wanted.mode == "processes" and wanted.remote is None:
+        stages = len(wanted.layers) if wanted.layers is not None else wanted.stages
+        wanted = wanted.replace(threads=default_threads(stages))
 
     with single_exceptions(), trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -155,31 +136,12 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                         nursery.cancel_scope.cancel(reason=f"signal {signum}")
 
             nursery.start_soon(watch_signals)
-            async with open_pipeline(
-                model,
-                stages=stages,
-                layers=layers,
-                mode=options.mode,
-                remote=remote,
-                threads=threads,
-                wire_dtype=options.wire_dtype,
-                capacity=options.parallel,
-                speculation=options.speculation,
-                hop_delay_ms=options.hop_delay_ms,
-                bandwidth_mbps=options.bandwidth_mbps,
-                transport=options.transport,
-                transports=options.transports,
-                backend=options.backend,
-                backends=options.backends,
-                device=options.device,
-                recovery=options.recovery,
-                supervision=options.supervision,
-            ) as pipeline:
+            async with open_pipeline(model, wanted) as pipeline:
                 app: Any = create_app(
                     pipeline,
                     model_id=served_model_id(model),
                     model_aliases={model, pipeline.config.name, Path(model).name},
-                    capacity=options.parallel,
+                    capacity=wanted.capacity,
                     max_queue=options.max_queue,
                     api_key=api_key,
                     max_tokens_default=options.max_tokens_default,
@@ -245,49 +207,8 @@ def resolve_api_key(given: str | None, host: str) -> str | None:
     return key
 
 
-def options_from_args(args: object) -> ServeOptions:
-    """`ServeOptions` from the parsed ``stagerun serve`` arguments."""
-    from .._options import recovery_from_args, speculation_from_args
-
-    get = functools.partial(getattr, args)
-    recovery, supervision = recovery_from_args(args)  # type: ignore[arg-type]
-    return ServeOptions(
-        model=get("model"),
-        stages=get("stages"),
-        topology=get("topology"),
-        host=get("host"),
-        port=get("port"),
-        parallel=get("parallel"),
-        max_queue=get("max_queue"),
-        threads=get("threads"),
-        mode="inproc" if get("inproc") else "processes",
-        wire_dtype=get("wire_dtype"),
-        api_key=get("api_key"),
-        max_tokens_default=_or(get("max_tokens_default", None), DEFAULT_MAX_TOKENS),
-        max_tokens_limit=_or(get("max_tokens_limit", None), MAX_TOKENS_LIMIT),
-        speculation=speculation_from_args(args),  # type: ignore[arg-type]
-        hop_delay_ms=get("hop_delay_ms", 0.0),
-        bandwidth_mbps=get("bandwidth_mbps", None),
-        transport=get("transport", "tcp"),
-        transports=get("transports", None),
-        backend=get("backend", "numpy"),
-        backends=get("backends", None),
-        device=get("device", None),
-        recovery=recovery,
-        supervision=supervision,
-    )
-
-
-def _or(value: int | None, default: int) -> int:
-    return default if value is None else value
-
-
-def serve_main(args: object) -> int:
-    """Entry point for the CLI: run the server, return the exit code."""
-    return trio.run(_serve_with_telemetry, options_from_args(args))
-
-
-async def _serve_with_telemetry(options: ServeOptions) -> int:
+async def serve_with_telemetry(options: ServeOptions) -> int:
+    """`serve`, with telemetry configured from the environment and drained at the end."""
     from .. import telemetry
 
     tel = telemetry.configure_from_env(common={"stagerun.stage_id": 0})

@@ -14,7 +14,7 @@ The client checks the certificate against the host in the address (an IP address
 subjectAltName) and requires TLS 1.2 at least; so does the server, so a peer that offers only
 TLS 1.1 or older gets no handshake either way. A failed check is one sentence that names the
 address and what to fix (`handshake_failure`). TLS protects the activations and tokens on the
-wire; the lane secret (`stagerun._auth`) still decides who may connect, and works over TLS
+wire; the lane secret (`stagerun._wire._auth`) still decides who may connect, and works over TLS
 unchanged.
 
 The server sends no TLS 1.3 session tickets (``num_tickets = 0``): a pooled lane is declared
@@ -35,9 +35,10 @@ from typing import ClassVar
 import trio
 
 from .._errors import LaneHandshakeError
-from .._framed import socket_is_idle
+from .._wire._address import format_address, parse_address
+from .._wire._framed import socket_is_idle
 from ..abc import ConnectionHandler, Transport
-from ._tcp import format_address, open_tcp, parse_address
+from ._tcp import open_tcp
 
 __all__ = ["TlsStream", "TlsTransport", "client_context", "server_context"]
 

@@ -28,11 +28,12 @@ from wsproto.connection import ConnectionState
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from .._errors import LaneHandshakeError
-from .._framed import socket_is_idle
 from .._proto import DEFAULT_MAX_PAYLOAD_BYTES
 from .._proto._frames import MAX_HEADER_BYTES, PREFIX_SIZE
+from .._wire._address import format_address
+from .._wire._framed import socket_is_idle
 from ..abc import ConnectionHandler, Transport
-from ._tcp import format_address, open_tcp
+from ._tcp import open_tcp
 from ._tls import TlsStream, client_context, server_context
 
 __all__ = ["WebSocketTransport"]

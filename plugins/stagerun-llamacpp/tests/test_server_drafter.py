@@ -15,7 +15,7 @@ import pytest
 from stagerun_llamacpp import LlamaServerDrafter
 
 from stagerun import SpeculationConfig, open_pipeline, plugins
-from stagerun._pipeline_values import DrafterContext
+from stagerun._driver._values import DrafterContext
 from stagerun.model import open_model, resolve_model
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -184,7 +184,7 @@ async def test_device_goes_to_the_backends_that_take_one(tiny: ModelFile) -> Non
 
 
 def test_stage_command_takes_a_device(tiny: ModelFile) -> None:
-    from stagerun._cli import build_parser
+    from stagerun._cli._main import build_parser
 
     args = build_parser().parse_args(
         ["stage", "--layers", "0:2", "--backend", "torch", "--device", "cpu"]

@@ -31,7 +31,7 @@ from typing import ClassVar
 
 import trio
 
-from stagerun._errors import LaneHandshakeError
+from stagerun import LaneHandshakeError
 from stagerun.abc import ConnectionHandler, Transport
 
 __all__ = ["UnixTransport", "parse_unix_address"]

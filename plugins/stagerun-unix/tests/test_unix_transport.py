@@ -11,7 +11,7 @@ import trio
 from stagerun_unix import UnixTransport, parse_unix_address
 
 from stagerun import open_pipeline, plugins
-from stagerun._errors import LaneHandshakeError
+from stagerun import LaneHandshakeError
 from stagerun.testing import check_transport, write_tiny_model
 
 

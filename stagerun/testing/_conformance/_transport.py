@@ -13,9 +13,15 @@ import trio.testing
 
 from ... import _proto
 from ..._errors import LaneBrokenError, LaneHandshakeError, ProtocolError
-from ..._framed import FrameStream, client_handshake, server_handshake
+from ..._wire._framed import FrameStream, client_handshake, server_handshake
 from ...abc import Transport
-from ._common import _RECEIVE_SIZE, _Check, _checking, _first_assertion, _leaves
+from ._common import (
+    _RECEIVE_SIZE,
+    _Check,
+    _checking,
+    _first_assertion,
+    _leaves,
+)
 
 
 @attrs.define

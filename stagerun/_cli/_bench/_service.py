@@ -13,7 +13,7 @@ from typing import Any
 
 import trio
 
-from .._proto import SamplingParams
+from ..._proto import SamplingParams
 from ._common import bench_pipeline, say
 
 
@@ -167,7 +167,7 @@ async def bench_load(args: argparse.Namespace) -> int:
     """
     import subprocess
 
-    from ..server._serve import served_model_id
+    from ...server._serve import served_model_id
 
     model_id = served_model_id(args.model)
     cmd = [

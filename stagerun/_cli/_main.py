@@ -14,12 +14,12 @@ from typing import Any
 
 import trio
 
-from ._auth import SECRET_FILE_ENV, lane_secret
-from ._errors import StagerunError
-from ._framed import LinkEmulation
-from ._options import build_parser, recovery_from_args, speculation_from_args
-from ._proto import SamplingParams
-from ._util import single_exceptions
+from .._errors import StagerunError
+from .._proto import SamplingParams
+from .._util import single_exceptions
+from .._wire._auth import SECRET_FILE_ENV, lane_secret
+from .._wire._framed import LinkEmulation
+from ._options import build_parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,7 +67,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plugins":
         return _plugins(args)
     if args.command == "serve":
-        from .server._serve import serve_main
+        from ._serve import serve_main
 
         return serve_main(args)
     return 2
@@ -77,7 +77,7 @@ async def _telemetered(
     command: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace, stage: int
 ) -> int:
     """Run ``command`` with the telemetry ``$STAGERUN_TELEMETRY*`` asks for, drained to the end."""
-    from . import telemetry
+    from .. import telemetry
 
     tel = telemetry.configure_from_env(common={"stagerun.stage_id": stage})
     async with telemetry.draining(tel):
@@ -91,37 +91,18 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from ._launch import open_pipeline
+    from .._driver._launch import open_pipeline
+    from ._config import config_from_args
 
-    recovery, supervision = recovery_from_args(args)
-    model, layers, remote = args.model, args.layers, None
+    config = config_from_args(args)
+    model = args.model
     if args.topology is not None:
-        from ._topology import load_topology
+        from .._driver._topology import load_topology
 
-        topology = load_topology(args.topology)
-        model, layers = topology.model, topology.layer_ranges
-        remote = topology.remote_addresses
+        model = load_topology(args.topology).model
     elif not args.json and args.stages > 1 and not args.inproc:
         print(f"stagerun: starting {args.stages} stages...", file=sys.stderr)
-    async with open_pipeline(
-        model,
-        stages=args.stages if layers is None else len(layers),
-        layers=layers,
-        remote=remote,
-        mode="inproc" if args.inproc else "processes",
-        threads=args.threads,
-        wire_dtype=args.wire_dtype,
-        transport=args.transport,
-        transports=args.transports,
-        backend=args.backend,
-        backends=args.backends,
-        device=args.device,
-        hop_delay_ms=args.hop_delay_ms,
-        bandwidth_mbps=args.bandwidth_mbps,
-        speculation=speculation_from_args(args),
-        recovery=recovery,
-        supervision=supervision,
-    ) as pipeline:
+    async with open_pipeline(model, config) as pipeline:
 
         def show(chunk: Any) -> None:
             if not args.json:
@@ -162,7 +143,7 @@ async def _generate(args: argparse.Namespace) -> int:
 def _stage_from_topology(args: argparse.Namespace) -> None:
     """Fill the stage options the command line left out from ``--topology`` (or defaults)."""
     if args.topology is not None:
-        from ._topology import load_topology
+        from .._driver._topology import load_topology
 
         topology = load_topology(args.topology)
         if not 1 <= args.index < len(topology.stages):
@@ -185,10 +166,10 @@ def _stage_from_topology(args: argparse.Namespace) -> None:
 
 
 async def _stage(args: argparse.Namespace) -> int:
-    from . import plugins
-    from ._stage import serve_stage
-    from .model import open_model
-    from .transports import format_address
+    from .. import plugins
+    from .._stage._server import serve_stage
+    from ..model import open_model
+    from ..transports import format_address
 
     _stage_from_topology(args)
     backend = plugins.build_backend(
@@ -229,7 +210,7 @@ async def _stage(args: argparse.Namespace) -> int:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from . import plugins
+    from .. import plugins
 
     infos = plugins.installed()
     if args.load:
@@ -258,7 +239,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _models() -> int:
-    from .model import resolve_model
+    from ..model import resolve_model
 
     try:
         path = resolve_model("smollm2")

@@ -8,7 +8,7 @@ import statistics
 from contextlib import AsyncExitStack
 from typing import Any
 
-from .._pipeline import Pipeline
+from ..._driver._pipeline import Pipeline
 from ._common import bench_pipeline, say
 from ._speculative import SPECULATIVE_PROMPTS
 

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import attrs
 
-from ._errors import StagerunError
-from .telemetry import Record
+from .._errors import StagerunError
+from ..telemetry import Record
 
 __all__ = [
     "Segment",

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._proto import SamplingParams
+from .._proto import SamplingParams
 
 
 def position_generator(seed: int, position: int) -> np.random.Generator:

@@ -3,7 +3,7 @@
 Theory of operation: every accepted connection is one task under the server's nursery. A
 connection opens with the handshake; its role says what it is:
 
-* ``LANE``: one hop of a chain, carried out in order by a `stagerun._stage_lane.LaneWorker`:
+* ``LANE``: one hop of a chain, carried out in order by a `stagerun._stage._worker.LaneWorker`:
   compute through the backend (in a worker thread, one compute at a time per stage), then
   forward downstream or, on the last stage, sample and reply over the return connection.
 * ``RETURN``: stage 0's return connection for one chain, parked under its key until a
@@ -20,61 +20,28 @@ import collections
 import functools
 import logging
 import math
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import trio
 
-from . import _proto, plugins
-from ._auth import SECRET_FILE_ENV, is_loopback, lane_secret
-from ._errors import LaneError, LaneHandshakeError, StageError
-from ._framed import (
+from .. import _proto, plugins
+from .._errors import LaneError, LaneHandshakeError, StageError
+from .._wire._address import parse_address
+from .._wire._auth import SECRET_FILE_ENV, is_loopback, lane_secret
+from .._wire._connect import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
+from .._wire._framed import (
     DEFAULT_HANDSHAKE_TIMEOUT,
     NO_EMULATION,
     FrameStream,
     LinkEmulation,
     server_handshake,
 )
-from ._lanes import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
-from ._stage_lane import LaneWorker
-from .transports import parse_address
+from ..abc import ComputeBackend
+from ._worker import LaneWorker
 
 log = logging.getLogger("stagerun.stage")
 
 SINK_WAIT_SECONDS = 5.0
-
-
-class KVCache(Protocol):
-    @property
-    def length(self) -> int: ...
-
-    def trim(self, position: int) -> None: ...
-
-
-class Backend(Protocol):
-    """What the stage needs from a compute backend (see stagerun.backends)."""
-
-    @property
-    def layers(self) -> tuple[int, int]: ...
-
-    @property
-    def is_first(self) -> bool: ...
-
-    @property
-    def is_last(self) -> bool: ...
-
-    def new_cache(self) -> Any: ...
-
-    def forward(
-        self,
-        cache: Any,
-        position: int,
-        *,
-        tokens: Any = None,
-        hidden: Any = None,
-        logits: Any = "last",
-        should_stop: Any = None,
-    ) -> np.ndarray[Any, Any]: ...
 
 
 class StageServer:
@@ -92,7 +59,7 @@ class StageServer:
 
     def __init__(
         self,
-        backend: Backend,
+        backend: ComputeBackend,
         *,
         index: int,
         downstream: str | None = None,
@@ -261,7 +228,7 @@ def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
 
 
 async def serve_stage(
-    backend: Backend,
+    backend: ComputeBackend,
     *,
     index: int,
     downstream: str | None = None,

@@ -8,9 +8,10 @@ from collections.abc import Hashable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
-from .._launch import open_pipeline
-from .._pipeline import Pipeline
-from .._proto import SamplingParams
+from ..._driver._launch import open_pipeline
+from ..._driver._pipeline import Pipeline
+from ..._proto import SamplingParams
+from .._config import config_from_args
 
 K = TypeVar("K", bound=Hashable)
 
@@ -23,23 +24,11 @@ def say(args: argparse.Namespace, text: str) -> None:
 def bench_pipeline(
     args: argparse.Namespace, **options: Any
 ) -> AbstractAsyncContextManager[Pipeline]:
-    """`open_pipeline` on the model, plugins, threads and wire format the options name.
+    """`open_pipeline` on the model and the settings the options name (`config_from_args`).
 
     ``options`` add to them or override them (``stages``, ``mode``, ``hop_delay_ms``...).
     """
-    settings: dict[str, Any] = {
-        "mode": "inproc" if args.inproc else "processes",
-        "threads": args.threads,
-        "wire_dtype": args.wire_dtype,
-        "transport": args.transport,
-        "transports": args.transports,
-        "backend": args.backend,
-        "backends": args.backends,
-        "device": args.device,
-        "bandwidth_mbps": getattr(args, "bandwidth_mbps", None),
-    }
-    settings.update(options)
-    return open_pipeline(args.model, **settings)
+    return open_pipeline(args.model, config_from_args(args, **options))
 
 
 async def decode_rounds(

@@ -7,8 +7,8 @@ import argparse
 import math
 from typing import Any
 
-from ._framed import DEFAULT_HANDSHAKE_TIMEOUT
-from ._speculative import SpeculationConfig
+from .._driver._speculative import SpeculationConfig
+from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
 
 __all__ = ["build_parser", "recovery_from_args", "speculation_from_args"]
 
@@ -183,8 +183,8 @@ def _reliability_options(p: argparse.ArgumentParser) -> None:
 
 def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RecoveryPolicy, SupervisionPolicy) for ``--recovery-timeout`` and ``--no-restart``."""
-    from ._pipeline_values import RecoveryPolicy
-    from ._supervise import SupervisionPolicy
+    from .._driver._supervise import SupervisionPolicy
+    from .._driver._values import RecoveryPolicy
 
     timeout = getattr(args, "recovery_timeout", None)
     if timeout is None:

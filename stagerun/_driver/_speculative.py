@@ -23,15 +23,13 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 import trio
 
-from . import _proto, plugins, telemetry
-from ._errors import LaneError, StageError
-from ._lanes import Lane
-from ._proto import (
+from .. import _decide, _proto, plugins, telemetry
+from .._decide import (
     Commit,
     Finish,
     NewEpoch,
@@ -40,22 +38,18 @@ from ._proto import (
     response_timings,
     speculation_timings,
 )
-from ._sampling import sample_rows
-from ._util import one_failure, single_exceptions
-
-
-class Drafter(Protocol):
-    """Proposes draft tokens (see `stagerun.abc.Drafter`, which plugins implement).
-
-    A drafter whose ``propose`` is fast may set ``blocking = False`` to be called on the Trio
-    thread; otherwise it runs in a worker thread.
-    """
-
-    def begin(self, prompt: Sequence[int]) -> None: ...
-
-    def commit(self, tokens: Sequence[int]) -> None: ...
-
-    def propose(self, context: Sequence[int], max_tokens: int) -> Sequence[int]: ...
+from .._decide._pace import (
+    ADAPTIVE_INITIAL_WIDTH,
+    ADAPTIVE_MIN_ACCEPT_RATE,
+    ADAPTIVE_MIN_WINDOWS,
+    DepthControl,
+    PaceCheck,
+)
+from .._decide._sampling import sample_rows
+from .._errors import LaneError, StageError
+from .._util import one_failure, single_exceptions
+from ..abc import Drafter
+from ._lanes import Lane
 
 
 @attrs.frozen
@@ -82,9 +76,9 @@ class SpeculationConfig:
         if self.drafter != "off" and self.drafter not in plugins.names("drafters"):
             choices = ", ".join(["off", *plugins.names("drafters")])
             raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {choices}")
-        if not 1 <= self.depth <= _proto.MAX_VERIFY_WINDOW_DEPTH:
+        if not 1 <= self.depth <= _decide.MAX_VERIFY_WINDOW_DEPTH:
             raise ValueError(
-                f"depth must be within 1..{_proto.MAX_VERIFY_WINDOW_DEPTH}, got {self.depth}"
+                f"depth must be within 1..{_decide.MAX_VERIFY_WINDOW_DEPTH}, got {self.depth}"
             )
         if not 1 <= self.window <= 32:
             raise ValueError(f"window must be within 1..32 draft tokens, got {self.window}")
@@ -94,97 +88,6 @@ class SpeculationConfig:
     @property
     def enabled(self) -> bool:
         return self.drafter != "off"
-
-
-# Drafting stops for a request, after this many windows with drafts, when its acceptance is
-# below ADAPTIVE_MIN_ACCEPT_RATE or it commits tokens slower than PACE_MARGIN times the measured
-# rate of plain decoding (see PaceCheck).
-ADAPTIVE_MIN_WINDOWS = 4
-ADAPTIVE_MIN_ACCEPT_RATE = 0.15
-PACE_MARGIN = 1.1
-
-
-class PaceCheck:
-    """Whether speculation is measured slower than plain decoding for one request.
-
-    A plain decoding step costs one round trip of a one-token window, and no window costs
-    less, so the shortest window round trip seen in the request stands for it. Speculation is
-    slower when the tokens committed per millisecond since the first window opened fall below
-    ``PACE_MARGIN`` tokens per shortest round trip.
-    """
-
-    def __init__(self) -> None:
-        self._opened: dict[int, float] = {}
-        self.first_opened_ms: float | None = None
-        self.shortest_round_trip_ms = math.inf
-
-    def opened(self, window_id: int, now_ms: float) -> None:
-        self._opened[window_id] = now_ms
-        if self.first_opened_ms is None:
-            self.first_opened_ms = now_ms
-
-    def replied(self, window_id: int, now_ms: float) -> None:
-        opened = self._opened.pop(window_id, None)
-        if opened is not None:
-            self.shortest_round_trip_ms = min(self.shortest_round_trip_ms, now_ms - opened)
-
-    def forget(self, window_ids: Sequence[int]) -> None:
-        for window_id in window_ids:
-            self._opened.pop(window_id, None)
-
-    def slower_than_plain(self, committed: int, now_ms: float) -> bool:
-        if self.first_opened_ms is None or math.isinf(self.shortest_round_trip_ms):
-            return False
-        elapsed = now_ms - self.first_opened_ms
-        return committed * self.shortest_round_trip_ms < PACE_MARGIN * elapsed
-
-
-# Adaptive requests start narrow and shallow and earn width and depth with accepted drafts:
-# a window that is wrong from its first draft costs little, and no continuation windows are
-# drafted behind a branch that keeps diverging (they would only go stale).
-ADAPTIVE_INITIAL_WIDTH = 2
-
-
-# Adaptive depth: a continuation window pays only if every window ahead of it is accepted in
-# full. Its chance is estimated as p**k (p: the request's full-accept rate, an EWMA over
-# windows that carried drafts, starting from PRIOR), and a window opens while that chance is at
-# least MIN_CHAIN_PROBABILITY.
-FULL_ACCEPT_PRIOR = 0.7
-FULL_ACCEPT_EWMA_ALPHA = 0.3
-MIN_CHAIN_PROBABILITY = 0.2
-
-
-class DepthControl:
-    """How many live windows an adaptive request may keep in flight (pure bookkeeping).
-
-    With the prior (p = 0.5) a request starts at depth 3; windows accepted in full raise the
-    estimate and the depth (p = 0.8 allows 7), rejections lower it to 1. Without ``adaptive``
-    the configured depth always applies.
-    """
-
-    def __init__(self, depth: int, *, adaptive: bool) -> None:
-        self.max_depth = depth
-        self.adaptive = adaptive
-        self.full_accept_rate = FULL_ACCEPT_PRIOR
-        self.allowed = self._depth_for(self.full_accept_rate) if adaptive else depth
-
-    def _depth_for(self, p: float) -> int:
-        allowed, chance = 1, p
-        while allowed < self.max_depth and chance >= MIN_CHAIN_PROBABILITY:
-            allowed += 1
-            chance *= p
-        return allowed
-
-    def observe(self, before: _proto.SpeculationStats, after: _proto.SpeculationStats) -> None:
-        """Take the windows verified between two snapshots of the request's counters."""
-        if not self.adaptive or after.proposed == before.proposed:
-            return  # nothing verified, or a window without drafts (a plain step)
-        judged = after.windows - before.windows
-        full = after.full_accept_windows - before.full_accept_windows
-        for i in range(judged):
-            outcome = 1.0 if i < full else 0.0
-            self.full_accept_rate += FULL_ACCEPT_EWMA_ALPHA * (outcome - self.full_accept_rate)
-        self.allowed = self._depth_for(self.full_accept_rate)
 
 
 def _window_spans(
@@ -273,7 +176,7 @@ async def decode_speculative(
     tel = telemetry.current()
     opened_ns: dict[int, tuple[int, int]] = {}  # window id -> (opened at, input tokens)
 
-    async def send(window: _proto.VerifyWindow) -> None:
+    async def send(window: _decide.VerifyWindow) -> None:
         pace.opened(window.id, now_ms())
         if tel.enabled:
             opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
@@ -309,7 +212,7 @@ async def decode_speculative(
                 _proto.Cancel(request_id=request_id, epoch=epoch, window_ids=window_ids)
             )
 
-    async def apply(commands: list[_proto.Command]) -> None:
+    async def apply(commands: list[_decide.Command]) -> None:
         queue = deque(commands)
         while queue:
             command = queue.popleft()

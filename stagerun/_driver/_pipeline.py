@@ -2,14 +2,14 @@
 
 Theory of operation: stage 0 lives in the calling process. It owns the tokenizer, the first
 layer range and a `LanePool` to the rest of the pipeline (started or joined by
-`stagerun._launch.open_pipeline`). A request checks out a lane and sends ``Configure``, then,
-without waiting for its ack, the prompt in planned prefill chunks (`stagerun._chunked_prefill`;
+`stagerun._driver._launch.open_pipeline`). A request checks out a lane and sends ``Configure``, then,
+without waiting for its ack, the prompt in planned prefill chunks (`stagerun._driver._prefill`;
 the last chunk asks the last stage for a prediction). It then decodes one token per round
 trip: stage 0 computes its layers for the newest token and sends the activations; the
 prediction comes straight back from the last stage. On success the pool ends the request with
 ``Stop``; on any failure (or cancellation) the lane is replaced, and `RecoveryPolicy` decides
 whether the request resumes on a new lane by replaying its committed tokens. With a drafter,
-decoding goes through pipelined verify windows instead (`stagerun._speculative`).
+decoding goes through pipelined verify windows instead (`stagerun._driver._speculative`).
 """
 
 from __future__ import annotations
@@ -25,11 +25,25 @@ import attrs
 import numpy as np
 import trio
 
-from . import _proto, plugins, telemetry
-from ._chunked_prefill import PrefillReport, send_prefill
-from ._errors import LaneError, RecoveryFailedError, StageError
-from ._lanes import Lane, LanePool, alternatives, open_connection
-from ._pipeline_values import (
+from .. import _proto, plugins, telemetry
+from .._decide._prefill import (
+    AdaptiveRamp,
+    ChunkPolicy,
+    FixedChunks,
+    ScheduleChunks,
+    parse_chunk_policy,
+)
+from .._decide._sampling import sample_token
+from .._errors import LaneError, RecoveryFailedError, StageError
+from .._text import TextAssembler
+from .._util import single_exceptions
+from .._wire._connect import alternatives, open_connection
+from ..abc import ComputeBackend, Drafter
+from ..model import ModelFile
+from ._lanes import Lane, LanePool
+from ._prefill import PrefillReport, send_prefill
+from ._speculative import SpeculationConfig, decode_speculative
+from ._values import (
     AddressHealth,
     Completion,
     DrafterContext,
@@ -39,19 +53,6 @@ from ._pipeline_values import (
     StageInfo,
     TokenChunk,
 )
-from ._proto._prefill import (
-    AdaptiveRamp,
-    ChunkPolicy,
-    FixedChunks,
-    ScheduleChunks,
-    parse_chunk_policy,
-)
-from ._sampling import sample_token
-from ._speculative import Drafter, SpeculationConfig, decode_speculative
-from ._text import TextAssembler
-from ._util import single_exceptions
-from .abc import ComputeBackend
-from .model import ModelFile
 
 DEFAULT_PREFILL_CHUNK = "adaptive"
 DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowledged

@@ -1,6 +1,6 @@
 """Stage 0's side of a prefill: planned chunks, pipelined through the stages.
 
-Theory of operation: `PrefillPlanner` (sans-IO, in `stagerun._proto._prefill`) picks each
+Theory of operation: `PrefillPlanner` (sans-IO, in `stagerun._decide._prefill`) picks each
 chunk's size. `send_prefill` computes a chunk on stage 0, sends it down the lane and goes on
 to the next one while the later stages work: up to ``credit`` chunks may be unacknowledged.
 Each ack carries the whole chain's statistics for its chunk (`_proto.StageStats`, merged
@@ -18,15 +18,15 @@ from typing import Any
 import attrs
 import numpy as np
 
-from . import _proto, telemetry
-from ._lanes import Lane
-from ._proto._prefill import (
+from .. import _proto, telemetry
+from .._decide._prefill import (
     ChunkPolicy,
     DownstreamPrefillReport,
     PrefillChunkObservation,
     PrefillPlanner,
     PrefillTransportEstimate,
 )
+from ._lanes import Lane
 
 __all__ = ["PrefillReport", "send_prefill"]
 

@@ -32,13 +32,31 @@ from typing import Any, Literal, Protocol, cast
 import attrs
 import trio
 
-from . import _proto
-from ._errors import LaneError, StageError
-from ._lanes import open_connection
+from .. import _proto
+from .._errors import LaneError, StageError
+from .._wire._connect import open_connection
 
 log = logging.getLogger("stagerun.supervise")
 
 State = Literal["starting", "running", "restarting", "stopped"]
+
+
+async def read_ready_line(proc: trio.Process, index: int) -> str:
+    """The address a starting stage process prints on its ``READY`` line."""
+    assert proc.stdout is not None
+    buf = b""
+    while b"\n" not in buf:
+        data = await proc.stdout.receive_some(4096)
+        if not data:
+            raise StageError(
+                f"stage {index} exited before it was ready (exit code {proc.poll()}); "
+                "see its messages above"
+            )
+        buf += data
+    line = buf.split(b"\n", 1)[0].decode()
+    if not line.startswith("READY "):
+        raise StageError(f"stage {index} printed {line!r} instead of its ready line")
+    return line.split(" ", 1)[1].strip()
 
 
 @attrs.frozen
@@ -192,7 +210,6 @@ class StageProcess:
             The error that ended it early, if any, and how long it served after its ready
             line (0 if it never printed one).
         """
-        from ._launch import _read_ready_line
 
         error: str | None = None
         ready_at: float | None = None
@@ -203,7 +220,7 @@ class StageProcess:
             try:
                 with trio.fail_after(self.policy.ready_timeout):
                     # It reads only stdout and polls: a Child will do.
-                    address = await _read_ready_line(cast(trio.Process, proc), self.index)
+                    address = await read_ready_line(cast(trio.Process, proc), self.index)
             except (StageError, trio.TooSlowError) as exc:
                 error = str(exc) or f"no ready line within {self.policy.ready_timeout:g}s"
                 proc.kill()

@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from . import plugins
+from .. import plugins
 
 
 class TopologyError(ValueError):

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._launch import Mode
-from .._proto import SamplingParams
+from ..._driver._config import Mode
+from ..._proto import SamplingParams
 from ._common import bench_pipeline, say
 
 if TYPE_CHECKING:
@@ -86,8 +86,8 @@ async def bench_speculative(args: argparse.Namespace) -> int:
 
 
 async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict[str, Any]:
-    from .._speculative import SpeculationConfig
-    from ..drafters import OracleDrafter
+    from ..._driver._speculative import SpeculationConfig
+    from ...drafters import OracleDrafter
 
     mode: Mode = "inproc" if args.inproc else "processes"
     # One compute thread per stage unless told otherwise: stages here share the machine's
@@ -232,9 +232,9 @@ async def _trace_one_request(args: argparse.Namespace) -> Timeline:
     """Run one speculative request with every process tracing at debug into one file."""
     import tempfile
 
-    from .. import telemetry
+    from ... import telemetry
+    from ..._driver._speculative import SpeculationConfig
     from .._report import load_trace, request_timeline
-    from .._speculative import SpeculationConfig
 
     mode = "inproc" if args.inproc else "processes"
     threads = args.threads if args.threads is not None else 1

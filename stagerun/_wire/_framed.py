@@ -25,8 +25,8 @@ import attrs
 import numpy as np
 import trio
 
-from . import _proto
-from ._errors import (
+from .. import _proto
+from .._errors import (
     LaneBrokenError,
     LaneHandshakeError,
     LaneTimeoutError,

@@ -12,9 +12,10 @@ from typing import Any
 
 import trio
 
-from .._errors import LaneError
-from .._launch import Mode, open_pipeline
-from .._pipeline import Pipeline
+from ..._driver._config import Mode
+from ..._driver._launch import open_pipeline
+from ..._driver._pipeline import Pipeline
+from ..._errors import LaneError
 from ._common import bench_pipeline, decode_rounds, say
 
 
@@ -66,7 +67,7 @@ async def bench_decode(args: argparse.Namespace) -> int:
 
 
 async def _echo(stream: Any, peer: str) -> None:
-    from .._framed import server_handshake
+    from ..._wire._framed import server_handshake
 
     framed, _hello = await server_handshake(stream, peer=peer)
     try:
@@ -85,8 +86,8 @@ async def frame_round_trip_us(name: str, iterations: int, d_model: int = 576) ->
     import numpy as np
     import trio
 
-    from .. import _proto, plugins
-    from .._framed import client_handshake
+    from ... import _proto, plugins
+    from ..._wire._framed import client_handshake
 
     transport = plugins.transport(name)
     activation = np.ones((1, d_model), np.float32)
@@ -177,8 +178,8 @@ def _window_costs(
 async def bench_backends(args: argparse.Namespace) -> int:
     """Decode tokens/s and verify-window cost (T = 1, 4, 8) per backend, the whole model."""
 
-    from .. import plugins
-    from ..model import open_model
+    from ... import plugins
+    from ...model import open_model
 
     model = open_model(args.model)
     prompt = model.tokenizer.encode(args.prompt)

@@ -1,7 +1,7 @@
 """One upstream lane on a stage: its frames carried out in order, forwarded or answered.
 
 Theory of operation: `LaneWorker` runs for as long as one upstream ``LANE`` connection (see
-`stagerun._stage.StageServer`). A reader task takes frames off the connection as they arrive
+`stagerun._stage._server.StageServer`). A reader task takes frames off the connection as they arrive
 and queues them; the worker carries them out one at a time: compute through the stage's
 backend, then forward the activations downstream (middle stages; the downstream connection is
 opened on the first message) or, on the last stage, sample and send ``Predictions`` over the
@@ -24,14 +24,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, assert_never
+from typing import Any, Literal, assert_never
 
 import attrs
 import numpy as np
 import trio
 
-from . import _proto, telemetry
-from ._errors import (
+from .. import _proto, telemetry
+from .._decide._sampling import sample_rows
+from .._errors import (
     ComputeCancelled,
     LaneError,
     LaneHandshakeError,
@@ -39,13 +40,10 @@ from ._errors import (
     StageError,
     StagerunError,
 )
-from ._framed import FrameStream, LinkEmulation
-from ._lanes import open_connection
-from ._sampling import sample_rows
-from .telemetry import now_ns
-
-if TYPE_CHECKING:
-    from ._stage import StageServer
+from .._wire._connect import open_connection
+from .._wire._framed import FrameStream, LinkEmulation
+from ..telemetry import now_ns
+from ._context import StageContext
 
 __all__ = ["LaneWorker", "Session"]
 
@@ -92,7 +90,7 @@ class LaneWorker:
     dropped unseen and a stale window being computed stops at its next layer boundary.
     """
 
-    def __init__(self, server: StageServer, upstream: FrameStream) -> None:
+    def __init__(self, server: StageContext, upstream: FrameStream) -> None:
         self.server = server
         self.up = upstream
         self.down: FrameStream | None = None
@@ -390,7 +388,7 @@ class LaneWorker:
             return
         backend = server.backend
         tokens = np.asarray(message.tokens, dtype=np.int64)
-        rows: str = "all" if isinstance(message, _proto.Verify) else "last"
+        rows: Literal["all", "last"] = "all" if isinstance(message, _proto.Verify) else "last"
         stop = _StopCheck(self) if isinstance(message, _proto.Verify) else None
 
         def run() -> np.ndarray[Any, Any]:

@@ -8,8 +8,8 @@ from typing import Any, Literal
 import attrs
 import trio
 
-from ._lanes import alternatives
-from .model import ModelFile
+from .._wire._connect import alternatives
+from ..model import ModelFile
 
 __all__ = [
     "Completion",

@@ -1,0 +1,3 @@
+"""The command line: ``stagerun generate | stage | serve | bench | models | plugins``."""
+
+from ._main import main as main

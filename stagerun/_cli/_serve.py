@@ -1,0 +1,35 @@
+"""``stagerun serve`` from the command line: its arguments as `ServeOptions`."""
+
+from __future__ import annotations
+
+import argparse
+
+import trio
+
+from ..server._serve import ServeOptions, serve_with_telemetry
+from ..server._state import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
+from ._config import config_from_args
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """`ServeOptions` from the parsed ``stagerun serve`` arguments."""
+    return ServeOptions(
+        model=args.model,
+        pipeline=config_from_args(args),
+        topology=args.topology,
+        host=args.host,
+        port=args.port,
+        max_queue=args.max_queue,
+        api_key=args.api_key,
+        max_tokens_default=_or(args.max_tokens_default, DEFAULT_MAX_TOKENS),
+        max_tokens_limit=_or(args.max_tokens_limit, MAX_TOKENS_LIMIT),
+    )
+
+
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """``stagerun serve``: run the server, return the exit code."""
+    return trio.run(serve_with_telemetry, options_from_args(args))

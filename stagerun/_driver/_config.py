@@ -1,0 +1,218 @@
+"""One value for everything a pipeline is asked to be, and the pure plan made from it.
+
+`PipelineConfig` holds every setting of `stagerun.open_pipeline` (its topology, plugins, device,
+threads, link emulation, capacity, prefill, speculation, recovery, supervision, timeouts); the
+command line builds one from its arguments in one place (`stagerun._cli._config`), and
+``stagerun serve`` carries one inside its options. `plan` checks a configuration against a
+model's layer count and works out each stage's layers, backend, device and listen address,
+without a socket or a thread: what `open_pipeline` refuses, `plan` refuses first.
+
+Adding a pipeline option means: a field here (with its check in `plan` if it needs one), its
+command-line flag and mapping in `stagerun._cli`, and its docs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+
+from .. import plugins
+from .._decide._prefill import ChunkPolicy
+from .._proto import ActivationDType
+from .._wire._framed import LinkEmulation
+from ._pipeline import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CREDIT
+from ._speculative import SpeculationConfig
+from ._supervise import SupervisionPolicy
+from ._values import RecoveryPolicy
+
+Mode = Literal["inproc", "processes"]
+
+
+def _tuple_or_none(value: Sequence[Any] | None) -> tuple[Any, ...] | None:
+    return None if value is None else tuple(value)
+
+
+def _ranges(value: Sequence[Sequence[int]] | None) -> tuple[tuple[int, int], ...] | None:
+    return None if value is None else tuple((int(lo), int(hi)) for lo, hi in value)
+
+
+@attrs.frozen(kw_only=True)
+class PipelineConfig:
+    """How to start (or join) a pipeline; every field has the default `open_pipeline` uses.
+
+    Attributes:
+        stages: number of stages when ``layers`` is not given (layers split evenly).
+        layers: explicit ``[lo, hi)`` ranges, one per stage, contiguous from 0.
+        mode: ``inproc`` runs stages 1.. as Trio tasks here; ``processes`` spawns
+            ``stagerun stage`` children on loopback.
+        remote: addresses of already running stages 1..N-1 (then ``layers[0]`` or the even
+            split says what stage 0 holds, and nothing is started here).
+        host: the address stages started here listen on.
+        threads: compute (BLAS) threads per stage.
+        wire_dtype: activation dtype on the wire (f32, f16 or q8).
+        capacity: lanes in the pool (concurrent requests served without connecting more).
+        prefill_chunk: how prompts are cut into prefill chunks: ``"adaptive"`` (default: a
+            ramp that grows while transport hides under compute), a size (``256``) or a
+            schedule (``"128,256,384"``).
+        prefill_credit: prefill chunks in flight past stage 0 at once (1 = wait for each).
+        hop_delay_ms: emulate a WAN link: every frame on every lane is delivered this much
+            later (stages started here and stage 0 alike; remote stages set their own).
+        bandwidth_mbps: with ``hop_delay_ms``, also cap each link's bandwidth.
+        speculation: speculative decoding settings (drafter, depth, window); off by default.
+        transport: the transport plugin of every lane between stages started here (``tcp``,
+            ``ws``, or an installed plugin's name).
+        transports: one transport per hop instead (stage 0 to 1 first); the last stage's
+            transport also carries the returns to stage 0.
+        backend: the compute backend plugin of every stage started here (``numpy``, ...).
+        backends: one backend per stage instead, stage 0 first (any mix).
+        device: the compute device (``cuda``, ``cuda:1``, ``cpu``) for the stages whose backend
+            takes one (torch); None lets each backend choose.
+        recovery: how a request survives a lane failure (default `RecoveryPolicy()`: up to
+            3 failures, 60 s each; ``RecoveryPolicy.disabled()`` fails at the first).
+        supervision: restart and liveness settings for the stage processes started here
+            (``mode="processes"``; default `SupervisionPolicy()`).
+        reply_timeout: seconds stage 0 waits for a reply before the lane counts as broken
+            (default ``$STAGERUN_STAGE_REPLY_TIMEOUT_SECS`` or 30).
+    """
+
+    stages: int = 1
+    layers: tuple[tuple[int, int], ...] | None = attrs.field(default=None, converter=_ranges)
+    mode: Mode = "inproc"
+    remote: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none)
+    host: str = "127.0.0.1"
+    threads: int | None = None
+    wire_dtype: ActivationDType = "f32"
+    capacity: int = 1
+    prefill_chunk: int | str | ChunkPolicy = DEFAULT_PREFILL_CHUNK
+    prefill_credit: int = DEFAULT_PREFILL_CREDIT
+    hop_delay_ms: float = 0.0
+    bandwidth_mbps: float | None = None
+    speculation: SpeculationConfig | None = None
+    transport: str = "tcp"
+    transports: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none)
+    backend: str = "numpy"
+    backends: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none)
+    device: str | None = None
+    recovery: RecoveryPolicy | None = None
+    supervision: SupervisionPolicy | None = None
+    reply_timeout: float | None = None
+
+    def replace(self, **changes: Any) -> PipelineConfig:
+        """A copy with ``changes`` (field names as keywords); an unknown name is a TypeError."""
+        unknown = sorted(set(changes) - set(attrs.fields_dict(PipelineConfig)))
+        if unknown:
+            raise TypeError(f"PipelineConfig has no setting {', '.join(map(repr, unknown))}")
+        return attrs.evolve(self, **changes)
+
+    @property
+    def link(self) -> LinkEmulation:
+        """The emulated link every lane started here runs over."""
+        return LinkEmulation(
+            delay_s=self.hop_delay_ms / 1000.0,
+            bandwidth_bytes_per_s=self.bandwidth_mbps * 125_000.0 if self.bandwidth_mbps else None,
+        )
+
+
+@attrs.frozen
+class StagePlan:
+    """One stage as `plan` sees it: stage 0 first."""
+
+    index: int
+    layers: tuple[int, int]
+    backend: str
+    device: str | None  # the configured device, where this stage's backend takes one
+    listen: str | None  # where a stage started here listens (None: stage 0, or remote)
+    remote: str | None  # the address of a stage already running elsewhere
+
+
+@attrs.frozen
+class PipelinePlan:
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return [stage.layers for stage in self.stages]
+
+
+def split_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Split ``n_layers`` into ``stages`` contiguous ranges as evenly as possible."""
+    if not 1 <= stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {stages} stages")
+    base, extra = divmod(n_layers, stages)
+    ranges, lo = [], 0
+    for i in range(stages):
+        hi = lo + base + (1 if i < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
+    """Check ``config`` against a model of ``n_layers`` layers and lay out its stages.
+
+    Plugins are looked up (an unknown or broken one fails here), nothing is connected, started
+    or loaded.
+
+    Raises:
+        ValueError: a setting contradicts another or the model (the message names both).
+        stagerun.plugins.PluginError: a named transport or backend is missing or broken.
+    """
+    if config.hop_delay_ms < 0:
+        raise ValueError(f"hop_delay_ms must not be negative, got {config.hop_delay_ms}")
+    remote = config.remote
+    stages = len(remote) + 1 if remote is not None and config.layers is None else config.stages
+    ranges = list(config.layers) if config.layers is not None else split_layers(n_layers, stages)
+    _check_ranges(ranges, n_layers)
+    hops = len(ranges) - 1
+    if remote is not None and len(remote) != hops:
+        raise ValueError(f"{len(ranges)} stages need {hops} remote addresses, got {len(remote)}")
+    if config.transports is not None and len(config.transports) != hops:
+        raise ValueError(
+            f"{len(ranges)} stages have {hops} hops, but {len(config.transports)} "
+            f"transports were given ({', '.join(config.transports)})"
+        )
+    hop_transports = list(config.transports or [config.transport] * hops)
+    listen = [plugins.transport(name).local_address(config.host) for name in hop_transports]
+    if config.backends is not None and len(config.backends) != len(ranges):
+        raise ValueError(
+            f"{len(ranges)} stages need {len(ranges)} backends, got {len(config.backends)} "
+            f"({', '.join(config.backends)})"
+        )
+    backends = list(config.backends or [config.backend] * len(ranges))
+    for name in backends:
+        plugins.backend(name)  # an unknown or broken plugin fails here, before anything starts
+    devices = [config.device if plugins.takes_device(name) else None for name in backends]
+    if config.device is not None and not any(devices):
+        raise ValueError(
+            f"--device {config.device} needs a backend with a device (torch); "
+            f"these stages run {', '.join(backends)}"
+        )
+    return PipelinePlan(
+        tuple(
+            StagePlan(
+                index=i,
+                layers=ranges[i],
+                backend=backends[i],
+                device=devices[i],
+                listen=None if i == 0 or remote is not None else listen[i - 1],
+                remote=None if i == 0 or remote is None else remote[i - 1],
+            )
+            for i in range(len(ranges))
+        )
+    )
+
+
+def _check_ranges(ranges: Sequence[tuple[int, int]], n_layers: int) -> None:
+    expected = 0
+    for lo, hi in ranges:
+        if lo != expected or hi <= lo:
+            raise ValueError(
+                f"stage layer ranges {list(ranges)} must be contiguous, non-empty and start at 0"
+            )
+        expected = hi
+    if expected != n_layers:
+        raise ValueError(
+            f"stage layer ranges {list(ranges)} must end at the model's {n_layers} layers"
+        )

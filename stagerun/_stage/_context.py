@@ -1,0 +1,40 @@
+"""What a lane worker may see of its stage: a small protocol instead of the whole server.
+
+`stagerun._stage._server.StageServer` implements it. A worker reads the stage's settings,
+borrows its backend through `compute` (one compute at a time per stage), takes parked return
+connections, and adds to the stage's counters; it never reaches the server's listeners,
+handshake or other workers.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .._proto import ActivationDType
+from .._wire._framed import FrameStream, LinkEmulation
+from ..abc import ComputeBackend
+
+
+class StageContext(Protocol):
+    index: int
+    backend: ComputeBackend
+    downstream: str | None  # the next stage (and its standbys), None on the last stage
+    is_last: bool
+    wire_dtype: ActivationDType
+    link: LinkEmulation
+    reply_timeout: float
+    # counters the workers add to; the server reports them
+    protocol_errors: int
+    stale_dropped: int
+    stale_stopped: int
+    stale_stopped_layers: collections.Counter[int]
+
+    async def take_sink(self, key: int) -> FrameStream:
+        """The parked return connection for ``key`` (the last stage binds it at Configure)."""
+        ...
+
+    async def compute(self, fn: Callable[[], Any]) -> Any:
+        """Run blocking backend work in a thread, one at a time on this stage."""
+        ...

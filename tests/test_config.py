@@ -1,0 +1,96 @@
+"""`PipelineConfig` and `plan`: the pipeline's settings checked and laid out without a socket."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import stagerun
+from stagerun import PipelineConfig, plan
+from stagerun._cli._config import config_from_args
+from stagerun._cli._options import build_parser
+from stagerun.plugins import PluginError
+
+
+def test_the_defaults_are_one_stage_in_process() -> None:
+    layout = plan(PipelineConfig(), 30)
+    assert layout.ranges == [(0, 30)]
+    assert [s.backend for s in layout.stages] == ["numpy"]
+
+
+def test_stages_split_evenly_and_listen_where_their_transport_says() -> None:
+    layout = plan(PipelineConfig(stages=3, transports=("ws", "tcp")), 30)
+    assert layout.ranges == [(0, 10), (10, 20), (20, 30)]
+    assert [s.listen for s in layout.stages] == [None, "ws://127.0.0.1:0", "tcp://127.0.0.1:0"]
+    assert [s.remote for s in layout.stages] == [None, None, None]
+
+
+def test_remote_stages_are_joined_not_started() -> None:
+    layout = plan(PipelineConfig(remote=["tcp://10.1.1.1:9001", "tcp://10.1.1.2:9002"]), 30)
+    assert layout.ranges == [(0, 10), (10, 20), (20, 30)]
+    assert [s.remote for s in layout.stages] == [None, "tcp://10.1.1.1:9001", "tcp://10.1.1.2:9002"]
+    assert {s.listen for s in layout.stages} == {None}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (PipelineConfig(layers=[(0, 10), (12, 30)]), "must be contiguous"),
+        (PipelineConfig(layers=[(0, 10), (10, 20)]), "must end at the model's 30 layers"),
+        (PipelineConfig(stages=31), "cannot split 30 layers into 31 stages"),
+        (PipelineConfig(stages=3, transports=("ws",)), "3 stages have 2 hops, but 1 transports"),
+        (PipelineConfig(stages=2, backends=("numpy",)), "2 stages need 2 backends, got 1"),
+        (
+            PipelineConfig(layers=[(0, 10), (10, 30)], remote=["a:1", "b:2"]),
+            "2 stages need 1 remote addresses, got 2",
+        ),
+        (PipelineConfig(device="cuda"), "--device cuda needs a backend with a device"),
+        (PipelineConfig(hop_delay_ms=-1), "hop_delay_ms must not be negative"),
+    ],
+)
+def test_contradictions_are_refused_before_anything_starts(
+    config: PipelineConfig, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan(config, 30)
+
+
+def test_an_unknown_plugin_is_refused_by_the_plan() -> None:
+    with pytest.raises(PluginError, match="nosuch"):
+        plan(PipelineConfig(stages=2, backend="nosuch"), 30)
+
+
+def test_replace_takes_field_names_only() -> None:
+    config = PipelineConfig().replace(stages=3, capacity=2)
+    assert (config.stages, config.capacity) == (3, 2)
+    with pytest.raises(TypeError, match="no setting 'stage'"):
+        PipelineConfig().replace(stage=3)
+    assert PipelineConfig(layers=[[0, 5], [5, 9]]).layers == ((0, 5), (5, 9))
+
+
+async def test_open_pipeline_refuses_a_keyword_that_names_no_setting() -> None:
+    with pytest.raises(TypeError, match="no setting 'stagez'"):
+        async with stagerun.open_pipeline("smollm2", stagez=3):
+            raise AssertionError("started anyway")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def test_generate_serve_and_bench_map_the_same_options_to_the_same_settings() -> None:
+    shared = [
+        "--threads", "2", "--wire-dtype", "f16", "--transports", "ws,tcp",
+        "--backends", "numpy,numpy,numpy", "--hop-delay-ms", "5",
+    ]  # fmt: skip
+    generate = config_from_args(_args("generate", "--stages", "3", *shared, "hi"))
+    serve = config_from_args(_args("serve", "--stages", "3", *shared))
+    bench = config_from_args(
+        _args("bench", "speculative", "--stages", "3", *shared), speculation=None
+    )
+    for config in (generate, serve, bench):
+        assert (config.threads, config.wire_dtype, config.transports) == (2, "f16", ("ws", "tcp"))
+        assert (config.backends, config.hop_delay_ms, config.stages) == (("numpy",) * 3, 5.0, 3)
+    assert serve.capacity == 4  # --parallel's default
+    assert generate.mode == serve.mode == "processes"
