@@ -27,7 +27,7 @@ import pytest
 import trio
 from _oracle import assert_varied
 
-import stagerun._driver._pipeline
+import stagerun._driver._request
 from stagerun import (
     Completion,
     Pipeline,
@@ -40,7 +40,7 @@ from stagerun import (
     open_pipeline,
     serve_stage,
 )
-from stagerun._driver._pipeline import replay_context
+from stagerun._driver._request import replay_context
 from stagerun._stage._server import StageServer
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import OracleDrafter
@@ -296,7 +296,7 @@ async def test_the_equality_check_catches_a_wrong_replay(
     """
     async with reset_chain(tiny_model) as (pipeline, proxy):
         want = await pipeline.complete(PROMPT, max_tokens=TOKENS, ignore_eog=True)
-        monkeypatch.setattr(stagerun._driver._pipeline, "replay_context", wrong_replay)
+        monkeypatch.setattr(stagerun._driver._request, "replay_context", wrong_replay)
         got = await pipeline.complete(
             PROMPT,
             max_tokens=TOKENS,

@@ -90,6 +90,9 @@ class SpeculationConfig:
         return self.drafter != "off"
 
 
+_Reply = _proto.Predictions | _proto.Cancelled
+
+
 def _window_spans(
     tel: telemetry.Telemetry,
     request_id: int,
@@ -147,183 +150,247 @@ async def decode_speculative(
     emitted. Returns the speculative timing keys for the response and why generation ended
     (``eog``, ``length`` or ``stop``).
     """
-    started = time.perf_counter()
-
-    def now_ms() -> float:
-        return (time.perf_counter() - started) * 1000.0
-
-    controller = SpeculationController(
-        history,
+    decode = SpeculativeDecode(
+        lane=lane,
+        request_id=request_id,
+        history=history,
         prompt_len=prompt_len,
         max_tokens=max_tokens,
         eog=eog,
-        depth=config.depth,
-        width=config.window,
-        adaptive=config.adaptive,
-        initial_width=min(ADAPTIVE_INITIAL_WIDTH, config.window) if config.adaptive else None,
-        now_ms=0.0,
+        sampling=sampling,
+        config=config,
+        drafter=drafter,
+        compute0=compute0,
+        wire_dtype=wire_dtype,
+        on_commit=on_commit,
     )
-    depth = DepthControl(config.depth, adaptive=config.adaptive)
-    if lane is not None:
-        controller.scheduler.mark_direct_prediction_return(upstream_opened=True)
-    drafter.begin(history[:prompt_len])
-    drafter.commit(history[prompt_len:])
-    local_replies: deque[_proto.Predictions] = deque()
-    drafting = True
-    pace = PaceCheck()
-    generated_at_start = controller.generated_count
+    await decode.run()
+    return decode.timings(), decode.controller.finish_reason
 
-    tel = telemetry.current()
-    opened_ns: dict[int, tuple[int, int]] = {}  # window id -> (opened at, input tokens)
 
-    async def send(window: _decide.VerifyWindow) -> None:
-        pace.opened(window.id, now_ms())
-        if tel.enabled:
-            opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
+class SpeculativeDecode:
+    """One request's speculative decoding: the controller's commands carried out on a lane.
+
+    `run` keeps up to the allowed depth of live windows in flight (`fill`), reads every reply
+    the moment it arrives (`_read_replies`), hands it to the controller (`_on_reply`) and
+    carries out what comes back (`apply`): windows to send, tokens to commit, stale windows
+    to cancel. With no lane (one stage) windows are verified here, one at a time.
+    """
+
+    def __init__(
+        self,
+        *,
+        lane: Lane | None,
+        request_id: int,
+        history: list[int],
+        prompt_len: int,
+        max_tokens: int,
+        eog: frozenset[int],
+        sampling: _proto.SamplingParams,
+        config: SpeculationConfig,
+        drafter: Drafter,
+        compute0: Callable[..., Awaitable[Any]],
+        wire_dtype: _proto.ActivationDType,
+        on_commit: Callable[[int], Awaitable[bool]],
+    ) -> None:
+        self.lane = lane
+        self.request_id = request_id
+        self.eog = eog
+        self.sampling = sampling
+        self.config = config
+        self.drafter = drafter
+        self.compute0 = compute0
+        self.wire_dtype = wire_dtype
+        self.on_commit = on_commit
+        self._started = time.perf_counter()
+        self.controller = SpeculationController(
+            history,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            eog=eog,
+            depth=config.depth,
+            width=config.window,
+            adaptive=config.adaptive,
+            initial_width=min(ADAPTIVE_INITIAL_WIDTH, config.window) if config.adaptive else None,
+            now_ms=0.0,
+        )
+        self.depth = DepthControl(config.depth, adaptive=config.adaptive)
+        if lane is not None:
+            self.controller.scheduler.mark_direct_prediction_return(upstream_opened=True)
+        drafter.begin(history[:prompt_len])
+        drafter.commit(history[prompt_len:])
+        self.drafting = True
+        self.pace = PaceCheck()
+        self._generated_at_start = self.controller.generated_count
+        self._local_replies: deque[_proto.Predictions] = deque()
+        self._tel = telemetry.current()
+        self._opened_ns: dict[int, tuple[int, int]] = {}  # window id -> (opened at, inputs)
+
+    def __repr__(self) -> str:
+        return (
+            f"<SpeculativeDecode request={self.request_id} in_flight={self._live_in_flight()} "
+            f"allowed={self.depth.allowed} drafting={self.drafting}>"
+        )
+
+    def now_ms(self) -> float:
+        return (time.perf_counter() - self._started) * 1000.0
+
+    async def run(self) -> None:
+        """Decode until the controller is drained."""
+        # The reader and the sender often see one broken lane at once: that is one lane failure.
+        with single_exceptions(), one_failure((LaneError, StageError)):
+            async with trio.open_nursery() as nursery:
+                replies: trio.MemoryReceiveChannel[_Reply] | None = None
+                if self.lane is not None:
+                    send_channel, replies = trio.open_memory_channel[_Reply](math.inf)
+                    nursery.start_soon(self._read_replies, self.lane, send_channel)
+                await self.fill()
+                while not self.controller.drained:
+                    if replies is None:
+                        reply: _Reply = self._local_replies.popleft()
+                    else:
+                        reply = await replies.receive()
+                    await self._on_reply(reply)
+                    await self.fill()
+                nursery.cancel_scope.cancel()  # the reader waits for a reply that will not come
+
+    async def _read_replies(
+        self, lane: Lane, channel: trio.MemorySendChannel[_proto.Predictions | _proto.Cancelled]
+    ) -> None:
+        # Replies are read the moment they arrive, also while stage 0 drafts and computes the
+        # next window: a reply read late would be committed late (and an emulated link, which
+        # starts a frame's delay when it is read, would charge the wait twice).
+        while True:
+            channel.send_nowait(await lane.receive_reply(self.request_id))
+
+    async def _on_reply(self, reply: _proto.Predictions | _proto.Cancelled) -> None:
+        controller = self.controller
+        before = controller.stats()
+        was_stale = (
+            self._tel.enabled
+            and isinstance(reply, _proto.Predictions)
+            and any(w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight)
+        )
+        if isinstance(reply, _proto.Cancelled):
+            self.pace.forget(reply.window_ids)
+            controller.on_cancelled(reply.window_ids, now_ms=self.now_ms())
+        else:
+            self.pace.replied(reply.window_id, self.now_ms())
+            await self.apply(
+                controller.on_predictions(reply.window_id, reply.tokens, now_ms=self.now_ms())
+            )
+        stats = controller.stats()
+        if self._tel.enabled:
+            _window_spans(
+                self._tel,
+                self.request_id,
+                reply,
+                self._opened_ns,
+                stats.accepted - before.accepted,
+                was_stale,
+            )
+        self.depth.observe(before, stats)
+        if self.drafting and self._not_paying(stats):
+            self.drafting = False  # measured not to pay: plain decoding through windows
+
+    def _not_paying(self, stats: _decide.SpeculationStats) -> bool:
+        """Whether drafting is measured to cost more than it gains, for this request."""
+        if not self.config.adaptive or sum(stats.proposed_by_position[:1]) < ADAPTIVE_MIN_WINDOWS:
+            return False
+        committed = self.controller.generated_count - self._generated_at_start
+        return stats.accept_rate < ADAPTIVE_MIN_ACCEPT_RATE or self.pace.slower_than_plain(
+            committed, self.now_ms()
+        )
+
+    def _live_in_flight(self) -> int:
+        return sum(not window.stale for window in self.controller.scheduler.in_flight)
+
+    async def fill(self) -> None:
+        """Open windows while the depth allows and the controller wants drafts."""
+        while (
+            self._live_in_flight() < self.depth.allowed
+            and (request := self.controller.next_draft_request()) is not None
+        ):
+            proposal: Sequence[int] = ()
+            if self.drafting and request.max_drafts > 0:
+                proposal = await self._propose(request.context, request.max_drafts)
+            opened = self.controller.open_window(proposal, now_ms=self.now_ms())
+            if opened is None:
+                return  # no drafts for a continuation: wait for the next reply
+            await self.apply([opened])
+
+    async def _propose(self, context: Sequence[int], max_drafts: int) -> Sequence[int]:
+        if getattr(self.drafter, "blocking", True):
+            return await trio.to_thread.run_sync(self.drafter.propose, context, max_drafts)
+        return self.drafter.propose(context, max_drafts)  # microseconds: no thread hop
+
+    async def apply(self, commands: list[_decide.Command]) -> None:
+        """Carry out the controller's commands, in order (a stop string adds a Finish)."""
+        queue = deque(commands)
+        while queue:
+            command = queue.popleft()
+            match command:
+                case SendWindow(window=window):
+                    await self.send(window)
+                case Commit(tokens=tokens):
+                    self.drafter.commit(tokens)
+                    for token in tokens:
+                        if token in self.eog:
+                            break  # the controller finishes right after this commit
+                        if await self.on_commit(token):
+                            queue.extend(self.controller.finish("stop"))
+                            break
+                case NewEpoch(stale_epoch=epoch, cancel_window_ids=ids):
+                    await self.cancel(epoch, ids)
+                case Finish(epoch=epoch, cancel_window_ids=ids):
+                    await self.cancel(epoch, ids)
+
+    async def send(self, window: _decide.VerifyWindow) -> None:
+        """Compute stage 0's part of ``window`` and send it (or verify it here, alone)."""
+        self.pace.opened(window.id, self.now_ms())
+        if self._tel.enabled:
+            self._opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
         inputs = list(window.inputs)
-        if lane is None:
-            logits = await compute0(window.base_position, inputs, "all", window.id)
-            tokens = sample_rows(logits, sampling, window.base_position + 1)
-            local_replies.append(
+        if self.lane is None:
+            logits = await self.compute0(window.base_position, inputs, "all", window.id)
+            tokens = sample_rows(logits, self.sampling, window.base_position + 1)
+            self._local_replies.append(
                 _proto.Predictions(
-                    request_id=request_id,
+                    request_id=self.request_id,
                     window_id=window.id,
                     position=window.base_position,
                     tokens=tokens,
                 )
             )
             return
-        hidden = await compute0(window.base_position, inputs, "last", window.id)
-        await lane.send(
+        hidden = await self.compute0(window.base_position, inputs, "last", window.id)
+        await self.lane.send(
             _proto.Verify(
-                request_id=request_id,
+                request_id=self.request_id,
                 window_id=window.id,
                 epoch=window.epoch,
                 position=window.base_position,
                 tokens=tuple(inputs),
             ),
             hidden,
-            wire_dtype,
+            self.wire_dtype,
         )
 
-    async def cancel(epoch: int, window_ids: tuple[int, ...]) -> None:
-        if window_ids and lane is not None:
-            await lane.send(
-                _proto.Cancel(request_id=request_id, epoch=epoch, window_ids=window_ids)
+    async def cancel(self, epoch: int, window_ids: tuple[int, ...]) -> None:
+        if window_ids and self.lane is not None:
+            await self.lane.send(
+                _proto.Cancel(request_id=self.request_id, epoch=epoch, window_ids=window_ids)
             )
 
-    async def apply(commands: list[_decide.Command]) -> None:
-        queue = deque(commands)
-        while queue:
-            command = queue.popleft()
-            match command:
-                case SendWindow(window=window):
-                    await send(window)
-                case Commit(tokens=tokens):
-                    drafter.commit(tokens)
-                    for token in tokens:
-                        if token in eog:
-                            break  # the controller finishes right after this commit
-                        if await on_commit(token):
-                            queue.extend(controller.finish("stop"))
-                            break
-                case NewEpoch(stale_epoch=epoch, cancel_window_ids=ids):
-                    await cancel(epoch, ids)
-                case Finish(epoch=epoch, cancel_window_ids=ids):
-                    await cancel(epoch, ids)
-
-    def live_in_flight() -> int:
-        return sum(not window.stale for window in controller.scheduler.in_flight)
-
-    async def fill() -> None:
-        while (
-            live_in_flight() < depth.allowed
-            and (request := controller.next_draft_request()) is not None
-        ):
-            proposal: Sequence[int] = ()
-            if drafting and request.max_drafts > 0:
-                if getattr(drafter, "blocking", True):
-                    proposal = await trio.to_thread.run_sync(
-                        drafter.propose, request.context, request.max_drafts
-                    )
-                else:  # a lookup of microseconds: a thread hop would cost more
-                    proposal = drafter.propose(request.context, request.max_drafts)
-            opened = controller.open_window(proposal, now_ms=now_ms())
-            if opened is None:
-                return  # no drafts for a continuation: wait for the next reply
-            await apply([opened])
-
-    async def read_replies(
-        lane: Lane, channel: trio.MemorySendChannel[_proto.Predictions | _proto.Cancelled]
-    ) -> None:
-        # Replies are read the moment they arrive, also while stage 0 drafts and computes the
-        # next window: a reply read late would be committed late (and an emulated link, which
-        # starts a frame's delay when it is read, would charge the wait twice).
-        while True:
-            channel.send_nowait(await lane.receive_reply(request_id))
-
-    # The reader and the sender often see one broken lane at once: that is one lane failure.
-    with single_exceptions(), one_failure((LaneError, StageError)):
-        async with trio.open_nursery() as nursery:
-            replies: trio.MemoryReceiveChannel[_proto.Predictions | _proto.Cancelled] | None = None
-            if lane is not None:
-                send_channel, replies = trio.open_memory_channel[
-                    _proto.Predictions | _proto.Cancelled
-                ](math.inf)
-                nursery.start_soon(read_replies, lane, send_channel)
-            await fill()
-            while not controller.drained:
-                if replies is None:
-                    reply: _proto.Predictions | _proto.Cancelled = local_replies.popleft()
-                else:
-                    reply = await replies.receive()
-                before = controller.stats()
-                was_stale = (
-                    tel.enabled
-                    and isinstance(reply, _proto.Predictions)
-                    and any(
-                        w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight
-                    )
-                )
-                if isinstance(reply, _proto.Cancelled):
-                    pace.forget(reply.window_ids)
-                    controller.on_cancelled(reply.window_ids, now_ms=now_ms())
-                else:
-                    pace.replied(reply.window_id, now_ms())
-                    await apply(
-                        controller.on_predictions(reply.window_id, reply.tokens, now_ms=now_ms())
-                    )
-                stats = controller.stats()
-                if tel.enabled:
-                    _window_spans(
-                        tel,
-                        request_id,
-                        reply,
-                        opened_ns,
-                        stats.accepted - before.accepted,
-                        was_stale,
-                    )
-                depth.observe(before, stats)
-                if (
-                    drafting
-                    and config.adaptive
-                    and sum(stats.proposed_by_position[:1]) >= ADAPTIVE_MIN_WINDOWS
-                    and (
-                        stats.accept_rate < ADAPTIVE_MIN_ACCEPT_RATE
-                        or pace.slower_than_plain(
-                            controller.generated_count - generated_at_start, now_ms()
-                        )
-                    )
-                ):
-                    drafting = False  # measured not to pay: plain decoding through windows
-                await fill()
-            nursery.cancel_scope.cancel()  # the reader waits for a reply that will not come
-    timings: dict[str, Any] = {}
-    timings.update(speculation_timings(controller.stats()))
-    timings.update(response_timings(controller.scheduler.stats(now_ms())))
-    timings["draft_n"] = controller.stats().proposed
-    timings["draft_n_accepted"] = controller.stats().accepted
-    timings["speculative_drafting_switched_off"] = not drafting
-    if not math.isinf(pace.shortest_round_trip_ms):
-        timings["speculative_shortest_window_ms"] = round(pace.shortest_round_trip_ms, 3)
-    return timings, controller.finish_reason
+    def timings(self) -> dict[str, Any]:
+        """The speculative timing keys of the response."""
+        stats = self.controller.stats()
+        timings: dict[str, Any] = {}
+        timings.update(speculation_timings(stats))
+        timings.update(response_timings(self.controller.scheduler.stats(self.now_ms())))
+        timings["draft_n"] = stats.proposed
+        timings["draft_n_accepted"] = stats.accepted
+        timings["speculative_drafting_switched_off"] = not self.drafting
+        if not math.isinf(self.pace.shortest_round_trip_ms):
+            timings["speculative_shortest_window_ms"] = round(self.pace.shortest_round_trip_ms, 3)
+        return timings

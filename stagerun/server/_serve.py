@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -94,6 +95,38 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
         StagerunError, ValueError: the pipeline could not start (bad model, dead stage, ...).
     """
     out = stdout if stdout is not None else sys.stdout
+    model, wanted, api_key = _checked(options)
+    with single_exceptions(), trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            state = _Signals(nursery.cancel_scope)
+            nursery.start_soon(state.watch, signals)
+            async with open_pipeline(model, wanted) as pipeline:
+                app: Any = create_app(
+                    pipeline,
+                    model_id=served_model_id(model),
+                    model_aliases={model, pipeline.config.name, Path(model).name},
+                    capacity=wanted.capacity,
+                    max_queue=options.max_queue,
+                    api_key=api_key,
+                    max_tokens_default=options.max_tokens_default,
+                    max_tokens_limit=options.max_tokens_limit,
+                )
+                async with trio.open_nursery() as http:
+                    where = await _listen(http, app, options, state.stopping)
+                    state.serving = True
+                    n = len(pipeline.stages)
+                    print(
+                        f"stagerun serve: listening on {where} "
+                        f"({n} stage{'s' if n != 1 else ''}, model {served_model_id(model)})",
+                        file=out,
+                        flush=True,
+                    )
+            nursery.cancel_scope.cancel(reason="server stopped")
+    return 130 if state.interrupted else 0
+
+
+def _checked(options: ServeOptions) -> tuple[str, PipelineConfig, str | None]:
+    """The model, the pipeline to start and the API key, once the options are checked."""
     wanted = options.pipeline
     if wanted.capacity < 1:
         raise ValueError(f"--parallel must be at least 1, got {wanted.capacity}")
@@ -114,69 +147,51 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
     if wanted.threads is None and wanted.mode == "processes" and wanted.remote is None:
         stages = len(wanted.layers) if wanted.layers is not None else wanted.stages
         wanted = wanted.replace(threads=default_threads(stages))
+    return model, wanted, api_key
 
-    with single_exceptions(), trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-            stopping = trio.Event()
-            serving = False
-            interrupted = False
 
-            async def watch_signals() -> None:
-                nonlocal interrupted
-                async for signum in signals:
-                    if serving and not stopping.is_set():
-                        print(
-                            f"stagerun serve: {signal.Signals(signum).name}, shutting down",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        stopping.set()
-                    else:
-                        interrupted = True
-                        nursery.cancel_scope.cancel(reason=f"signal {signum}")
+class _Signals:
+    """SIGINT/SIGTERM: a graceful stop once serving, a cancelled start before."""
 
-            nursery.start_soon(watch_signals)
-            async with open_pipeline(model, wanted) as pipeline:
-                app: Any = create_app(
-                    pipeline,
-                    model_id=served_model_id(model),
-                    model_aliases={model, pipeline.config.name, Path(model).name},
-                    capacity=wanted.capacity,
-                    max_queue=options.max_queue,
-                    api_key=api_key,
-                    max_tokens_default=options.max_tokens_default,
-                    max_tokens_limit=options.max_tokens_limit,
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope = scope
+        self.stopping = trio.Event()
+        self.serving = False
+        self.interrupted = False
+
+    async def watch(self, signals: AsyncIterator[int]) -> None:
+        async for signum in signals:
+            if self.serving and not self.stopping.is_set():
+                print(
+                    f"stagerun serve: {signal.Signals(signum).name}, shutting down",
+                    file=sys.stderr,
+                    flush=True,
                 )
-                config = HypercornConfig()
-                config.bind = [_bind(options.host, options.port)]
-                config.graceful_timeout = GRACEFUL_TIMEOUT
-                config.errorlog = logging.getLogger("stagerun.http")
-                config.accesslog = None
-                config.keep_alive_timeout = 75
-                async with trio.open_nursery() as http:
-                    try:
-                        with single_exceptions():
-                            binds: list[str] = await http.start(
-                                functools.partial(
-                                    hypercorn_serve, app, config, shutdown_trigger=stopping.wait
-                                )
-                            )
-                    except OSError as exc:
-                        raise ServeError(
-                            f"cannot listen on {options.host}:{options.port}: "
-                            f"{exc.strerror or exc}; pick another --port"
-                        ) from None
-                    serving = True
-                    n = len(pipeline.stages)
-                    where = binds[0] if binds else f"http://{_bind(options.host, options.port)}"
-                    print(
-                        f"stagerun serve: listening on {where} "
-                        f"({n} stage{'s' if n != 1 else ''}, model {served_model_id(model)})",
-                        file=out,
-                        flush=True,
-                    )
-            nursery.cancel_scope.cancel(reason="server stopped")
-    return 130 if interrupted else 0
+                self.stopping.set()
+            else:
+                self.interrupted = True
+                self.scope.cancel(reason=f"signal {signum}")
+
+
+async def _listen(http: trio.Nursery, app: Any, options: ServeOptions, stopping: trio.Event) -> str:
+    """Start hypercorn on the options' address in ``http``; return where it listens."""
+    config = HypercornConfig()
+    config.bind = [_bind(options.host, options.port)]
+    config.graceful_timeout = GRACEFUL_TIMEOUT
+    config.errorlog = logging.getLogger("stagerun.http")
+    config.accesslog = None
+    config.keep_alive_timeout = 75
+    try:
+        with single_exceptions():
+            binds: list[str] = await http.start(
+                functools.partial(hypercorn_serve, app, config, shutdown_trigger=stopping.wait)
+            )
+    except OSError as exc:
+        raise ServeError(
+            f"cannot listen on {options.host}:{options.port}: "
+            f"{exc.strerror or exc}; pick another --port"
+        ) from None
+    return binds[0] if binds else f"http://{_bind(options.host, options.port)}"
 
 
 def resolve_api_key(given: str | None, host: str) -> str | None:

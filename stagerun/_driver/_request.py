@@ -1,0 +1,432 @@
+"""One request on stage 0, as an object: its ids, cache, committed tokens, text and timings.
+
+Theory of operation: `Request.run` is the recovery loop. Each attempt checks out a lane, sends
+``Configure`` and, without waiting for its ack, prefills the committed tokens (the prompt, and
+after a recovery every token generated so far: `replay_context`), then decodes, plainly or
+through pipelined verify windows (`stagerun._driver._speculative`). A lane failure replaces the
+lane; `RecoveryPolicy` says how many failures the request survives and how long it waits for
+a fresh lane, and the next attempt starts under a new request id (a new chain session on
+every stage). Tokens are committed one by one (`Request.commit`): text assembly with stop
+strings happens there, so a recovery never emits a token twice. `Request.completion` turns
+the finished request into a `Completion` with its timings and summary spans.
+
+With one stage there is no lane: stage 0 computes the logits and samples them itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, Protocol
+
+import attrs
+import numpy as np
+import trio
+
+from .. import _proto, telemetry
+from .._decide._prefill import ChunkPolicy
+from .._decide._sampling import sample_token
+from .._errors import LaneError, RecoveryFailedError, StageError
+from .._text import TextAssembler
+from ..abc import Drafter
+from ..model import ModelFile
+from ._lanes import Lane, LanePool
+from ._prefill import PrefillReport, send_prefill
+from ._speculative import SpeculationConfig, decode_speculative
+from ._values import Completion, RecoveryPolicy, StageInfo, TokenChunk
+
+log = logging.getLogger("stagerun.pipeline")
+
+Emit = Callable[[TokenChunk], Awaitable[Any]]
+
+
+def replay_context(prompt_ids: Sequence[int], generated: Sequence[int]) -> list[int]:
+    """What a request prefills on a fresh lane: the prompt, then every token committed so far.
+
+    A module-level function so that the recovery tests can swap in a wrong replay (one that
+    drops a token, or the prompt) and see their equality check fail.
+    """
+    return [*prompt_ids, *generated]
+
+
+class StageZero(Protocol):
+    """What a request uses of its pipeline (`stagerun.Pipeline` is one)."""
+
+    model: ModelFile
+    stages: list[StageInfo]
+    pool: LanePool | None
+    recovery: RecoveryPolicy
+    speculation: SpeculationConfig
+    wire_dtype: _proto.ActivationDType
+    prefill_policy: ChunkPolicy
+    prefill_credit: int
+    last_prefill: PrefillReport | None
+    recoveries: int
+    recovery_failures: int
+
+    def _new_cache(self) -> Any: ...
+
+    def _make_drafter(self, config: SpeculationConfig) -> Drafter: ...
+
+    async def _compute0(
+        self,
+        cache: Any,
+        position: int,
+        tokens: Sequence[int],
+        logits: Literal["last", "all"] = "last",
+        *,
+        request_id: int | None = None,
+        window_id: int | None = None,
+    ) -> np.ndarray[Any, Any]: ...
+
+
+@attrs.define
+class _Attempt:
+    """The failures so far, and what recovering from them cost."""
+
+    breaks: int = 0
+    wait_ms: float = 0.0
+
+
+class Request:
+    """One generation: validated at construction, run once with `run`."""
+
+    def __init__(
+        self,
+        pipeline: StageZero,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: _proto.SamplingParams,
+        emit: Emit,
+        *,
+        stop: Sequence[str] = (),
+        ignore_eog: bool = False,
+        speculation: SpeculationConfig | None = None,
+        drafter: Drafter | None = None,
+        label: str | None = None,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        context = pipeline.model.config.context_length
+        if len(prompt_ids) >= context:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens but the model's context is {context}"
+            )
+        config = speculation or pipeline.speculation
+        if drafter is None and config.enabled:
+            drafter = pipeline._make_drafter(config)
+        if drafter is not None and not config.enabled:
+            config = attrs.evolve(config, drafter="ngram")  # an explicit drafter turns it on
+        self.pipeline = pipeline
+        self.prompt_ids = prompt_ids
+        self.max_tokens = min(max_tokens, context - len(prompt_ids))
+        self.sampling = sampling
+        self.emit = emit
+        self.label = label
+        self.speculation = config
+        self.drafter = drafter
+        self.eog = frozenset[int]() if ignore_eog else pipeline.model.config.eog_ids
+        self.request_id = secrets.randbits(62)
+        self.generated: list[int] = []
+        self.cache = pipeline._new_cache()
+        self.extra: dict[str, Any] = {}  # timings beyond the standard ones
+        self.t_start = time.perf_counter()
+        self.t_first: float | None = None
+        self._decoder = pipeline.model.tokenizer.stream_decoder()
+        self._assembler = TextAssembler(stop)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Request id={self.request_id} prompt={len(self.prompt_ids)} "
+            f"generated={len(self.generated)}/{self.max_tokens}>"
+        )
+
+    # -- the steps ----------------------------------------------------------------------------
+
+    async def run(self) -> Completion:
+        """Generate to the end, recovering from lane failures; return the `Completion`."""
+        pool = self.pipeline.pool
+        if pool is None:
+            return await self.completion(await self.decode(None))
+        attempt = _Attempt()
+        while True:
+            try:
+                async with pool.checkout(self.request_id) as lane:
+                    # Not waited for here: the stages handle frames in order, so the prefill
+                    # follows at once and `send_prefill` reads this ack with its own (a round
+                    # trip of the whole chain less before the first token).
+                    await lane.send(
+                        _proto.Configure(
+                            request_id=self.request_id,
+                            return_key=lane.return_key,
+                            prompt_len=len(self.prompt_ids),
+                            sampling=self.sampling,
+                        )
+                    )
+                    eog_stop = await self.decode(lane)
+                break
+            except (LaneError, StageError) as exc:
+                await self.recover(exc, attempt)
+        return await self.completion(eog_stop)
+
+    async def commit(self, token: int) -> bool:
+        """Emit one generated token; True when a stop string ended generation."""
+        self.generated.append(token)
+        await self.emit(TokenChunk(token, self._assembler.push(self._decoder.push(token))))
+        return self._assembler.stopped
+
+    async def compute(
+        self, position: int, tokens: Sequence[int], logits: str, window_id: int | None = None
+    ) -> Any:
+        """Stage 0's own layers for ``tokens`` at ``position``, on this request's cache."""
+        return await self.pipeline._compute0(
+            self.cache,
+            position,
+            tokens,
+            logits,  # type: ignore[arg-type]
+            request_id=self.request_id,
+            window_id=window_id,
+        )
+
+    async def decode(self, lane: Lane | None) -> bool:
+        """Prefill the committed tokens, then decode; True if EOG ended generation.
+
+        A first call prefills the prompt; after a recovery the prompt and every token
+        generated so far are replayed, and decoding continues from there.
+        """
+        context = replay_context(self.prompt_ids, self.generated)
+        replay_start = time.perf_counter()
+        first = await self.first_token(lane, context)
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        else:  # a recovery: the replay took this long
+            self.extra["recovery_replay_ms"] += (time.perf_counter() - replay_start) * 1000.0
+        if first in self.eog:
+            return True
+        if await self.commit(first) or len(self.generated) >= self.max_tokens:
+            return False
+        if self.drafter is not None:
+            spec_timings, reason = await decode_speculative(
+                lane=lane,
+                request_id=self.request_id,
+                history=[*context, first],
+                prompt_len=len(self.prompt_ids),
+                max_tokens=self.max_tokens,
+                eog=self.eog,
+                sampling=self.sampling,
+                config=self.speculation,
+                drafter=self.drafter,
+                compute0=self.compute,
+                wire_dtype=self.pipeline.wire_dtype,
+                on_commit=self.commit,
+            )
+            self.extra.update(spec_timings)  # after a recovery: the last stretch's figures
+            return reason == "eog"
+        return await self.decode_plain(lane, first, len(context))
+
+    async def first_token(self, lane: Lane | None, context: list[int]) -> int:
+        """Prefill ``context`` and return the token that follows it."""
+        if lane is None:
+            logits = await self.pipeline._compute0(
+                self.cache, 0, context, request_id=self.request_id
+            )
+            return sample_token(logits[-1], self.sampling, len(context))
+
+        async def compute(position: int, tokens: Sequence[int]) -> np.ndarray[Any, Any]:
+            return await self.pipeline._compute0(
+                self.cache, position, tokens, logits="all", request_id=self.request_id
+            )
+
+        pipeline = self.pipeline
+        report = await send_prefill(
+            lane,
+            self.request_id,
+            context,
+            compute0=compute,
+            policy=pipeline.prefill_policy,
+            credit=pipeline.prefill_credit,
+            wire_dtype=pipeline.wire_dtype,
+            estimate=pipeline.pool.prefill_transport if pipeline.pool is not None else None,
+            configure_owed=True,  # `run` sent Configure just before, without waiting
+        )
+        pipeline.last_prefill = report
+        self.extra["prefill_chunks"] = self.extra.get("prefill_chunks", 0) + report.chunks
+        reply = await lane.receive_predictions(self.request_id)
+        return int(reply.tokens[-1])
+
+    async def decode_plain(self, lane: Lane | None, token: int, position: int) -> bool:
+        """One token per round trip from ``token`` at ``position``; True if EOG ended it."""
+        tel = telemetry.current()
+        while True:
+            step_start = telemetry.now_ns() if tel.debug_enabled else 0
+            token = await self.decode_step(lane, token, position)
+            if tel.debug_enabled:
+                step = len(self.generated)
+                phase = "cold" if step == 1 else "warmup" if step < 8 else "steady"
+                tel.debug_span(
+                    "stage.openai_decode_token",
+                    step_start,
+                    {
+                        "llama_stage.request_id": self.request_id,
+                        "llama_stage.decode_step": step,
+                        "llama_stage.pos_start": position,
+                        "llama_stage.token_phase": phase,
+                    },
+                )
+            position += 1
+            if token in self.eog:
+                return True
+            if await self.commit(token) or len(self.generated) >= self.max_tokens:
+                return False
+
+    async def decode_step(self, lane: Lane | None, token: int, position: int) -> int:
+        """One plain decode step: feed ``token`` at ``position``, return the next token."""
+        out = await self.pipeline._compute0(
+            self.cache, position, [token], request_id=self.request_id
+        )
+        if lane is None:
+            return sample_token(out[-1], self.sampling, position + 1)
+        await lane.send(
+            _proto.Decode(request_id=self.request_id, position=position, tokens=(token,)),
+            out,
+            self.pipeline.wire_dtype,
+        )
+        reply = await lane.receive_predictions(self.request_id)
+        return int(reply.tokens[-1])
+
+    async def recover(self, failure: LaneError | StageError, attempt: _Attempt) -> None:
+        """Count a lane failure and wait for a fresh lane, or fail the request.
+
+        Raises:
+            RecoveryFailedError: one failure too many, or no lane opened in time (with
+                ``max_breaks=0`` the failure itself is raised).
+        """
+        pipeline, policy = self.pipeline, self.pipeline.recovery
+        attempt.breaks += 1
+        if attempt.breaks > policy.max_breaks:
+            pipeline.recovery_failures += 1
+            if policy.max_breaks == 0:
+                raise failure
+            raise RecoveryFailedError(
+                f"the pipeline failed {attempt.breaks} times during this request "
+                f"(the limit is {policy.max_breaks}); last failure: {failure}"
+            ) from failure
+        log.warning(
+            "request %d: lane failed after %d tokens (%s); recovering",
+            self.request_id,
+            len(self.generated),
+            failure,
+        )
+        started = time.perf_counter()
+        await self._await_lane(policy, failure)
+        attempt.wait_ms += (time.perf_counter() - started) * 1000.0
+        self.extra["recoveries"] = attempt.breaks
+        self.extra["recovery_wait_ms"] = attempt.wait_ms
+        self.extra.setdefault("recovery_replay_ms", 0.0)
+        pipeline.recoveries += 1
+        self.request_id = secrets.randbits(62)  # a new chain session on every stage
+
+    async def _await_lane(self, policy: RecoveryPolicy, failure: Exception) -> None:
+        """Wait, with backoff, until a fresh lane through the whole pipeline opens.
+
+        The lane is returned to the pool, so the retried request checks it out at once.
+        """
+        pool = self.pipeline.pool
+        assert pool is not None
+        delay = policy.backoff
+        last: Exception = failure
+        with trio.move_on_after(policy.timeout):
+            while True:
+                await trio.sleep(delay)
+                try:
+                    await pool.ensure_idle_lane()
+                except LaneError as exc:
+                    last = exc
+                    delay = min(delay * 2, policy.max_backoff)
+                    continue
+                return
+        self.pipeline.recovery_failures += 1
+        raise RecoveryFailedError(
+            f"no working lane through the pipeline within {policy.timeout:g}s of a failure "
+            f"({failure}); last error: {last}"
+        ) from failure
+
+    # -- the end ------------------------------------------------------------------------------
+
+    async def completion(self, eog_stop: bool) -> Completion:
+        """Flush the held-back text and sum up: the `Completion`, and its summary spans."""
+        assert self.t_first is not None
+        tail = self._assembler.flush(self._decoder.flush())
+        if tail:
+            await self.emit(TokenChunk(-1, tail))
+        t_end = time.perf_counter()
+        stopped = eog_stop or self._assembler.stopped
+        finish: Literal["stop", "length"] = "stop" if stopped else "length"
+        timings = self.timings(t_end)
+        self._summary_spans(t_end, timings, finish)
+        return Completion(
+            text=self._assembler.text,
+            token_ids=self.generated,
+            prompt_token_ids=list(self.prompt_ids),
+            finish_reason=finish,
+            timings=timings,
+        )
+
+    def timings(self, t_end: float) -> dict[str, Any]:
+        """The llama-server style timings (prompt and predicted), and the extra ones."""
+        assert self.t_first is not None
+        n, prompt_n = len(self.generated), len(self.prompt_ids)
+        prompt_ms = (self.t_first - self.t_start) * 1000.0
+        decode_ms = (t_end - self.t_first) * 1000.0
+        timings: dict[str, Any] = {
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_second": prompt_n * 1000.0 / max(prompt_ms, 1e-9),
+            "predicted_n": n,
+            "predicted_ms": decode_ms,
+            "predicted_per_second": (n - 1) * 1000.0 / decode_ms
+            if n > 1 and decode_ms > 0
+            else 0.0,
+        }
+        timings.update(self.extra)
+        return timings
+
+    def _summary_spans(self, t_end: float, timings: dict[str, Any], finish: str) -> None:
+        tel = telemetry.current()
+        if not tel.enabled:
+            return
+        assert self.t_first is not None
+        start_ns = telemetry.now_ns() - int((t_end - self.t_start) * 1e9)
+        first_ns = start_ns + int((self.t_first - self.t_start) * 1e9)
+        n = len(self.generated)
+        tel.span(
+            "stage.openai_decode",
+            first_ns,
+            {
+                "llama_stage.request_id": self.request_id,
+                "llama_stage.token_count": n,
+                "llama_stage.speculative": self.drafter is not None,
+                "llama_stage.elapsed_ms": timings["predicted_ms"],
+            },
+        )
+        label = {"stagerun.request_label": self.label} if self.label is not None else {}
+        tel.span(
+            "stage.openai_generation_summary",
+            start_ns,
+            {
+                "llama_stage.request_id": self.request_id,
+                "llama_stage.prompt_token_count": len(self.prompt_ids),
+                "llama_stage.completion_token_count": n,
+                "llama_stage.prompt_ms": timings["prompt_ms"],
+                "llama_stage.decode_ms": timings["predicted_ms"],
+                "llama_stage.finish_reason": finish,
+                "llama_stage.recoveries": int(self.extra.get("recoveries", 0)),
+                "llama_stage.stages": len(self.pipeline.stages),
+                "llama_stage.elapsed_ms": (t_end - self.t_start) * 1000.0,
+                **label,
+            },
+        )
