@@ -42,34 +42,25 @@ from .._errors import (
 )
 from .._wire._connect import open_connection
 from .._wire._framed import FrameStream, LinkEmulation
-from ..telemetry import now_ns
+from ..telemetry import Telemetry, now_ns
 from ._context import StageContext
+from ._session import (
+    Session,
+    StopCheck,
+    compute_attributes,
+    compute_stats,
+    count_stopped,
+    run_layers,
+    summarize,
+    us_since,
+)
 
-__all__ = ["LaneWorker", "Session"]
+__all__ = ["LaneWorker"]
 
 log = logging.getLogger("stagerun.stage")
 
 DOWNSTREAM_CONNECT_SECONDS = 30.0
 MAX_SESSIONS_PER_LANE = 4  # stage 0 runs one request per lane; a little slack, never more
-
-
-@attrs.define
-class Session:
-    """One request's state on one stage."""
-
-    cache: Any
-    sampling: _proto.SamplingParams
-    prompt_len: int
-    started_ns: int = attrs.field(factory=now_ns)
-    messages: int = 0
-    computes: int = 0
-    tokens: int = 0
-    compute_us: int = 0
-    forward_write_us: int = 0
-
-
-def _us_since(start: float) -> int:
-    return int((time.perf_counter() - start) * 1e6)
 
 
 @attrs.frozen
@@ -254,7 +245,7 @@ class LaneWorker:
             case _proto.Stop():
                 ended = self.sessions.pop(message.request_id, None)
                 if ended is not None:
-                    self._summarize(message.request_id, ended)
+                    summarize(self.server, message.request_id, ended)
                 self._replied.pop(message.request_id, None)
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
             case _proto.Cancel():
@@ -265,42 +256,6 @@ class LaneWorker:
                 )
             case _:
                 assert_never(message)
-
-    def _compute_attributes(
-        self, message: _proto.Prefill | _proto.Decode | _proto.Verify
-    ) -> dict[str, Any]:
-        """What the debug spans of one computed message say of it (ids, positions, counts)."""
-        attributes: dict[str, Any] = {
-            "llama_stage.stage_index": self.server.index,
-            "llama_stage.message_kind": message.kind,
-            "llama_stage.request_id": message.request_id,
-            "llama_stage.pos_start": message.position,
-            "llama_stage.token_count": len(message.tokens),
-        }
-        if isinstance(message, _proto.Verify):
-            attributes["llama_stage.verify_window_id"] = message.window_id
-        return attributes
-
-    def _summarize(self, request_id: int, session: Session) -> None:
-        telemetry.current().span(
-            "stage.binary_request_summary",
-            session.started_ns,
-            {
-                "llama_stage.stage_index": self.server.index,
-                "llama_stage.request_id": request_id,
-                "llama_stage.message_count": session.messages,
-                "llama_stage.computes": session.computes,
-                "llama_stage.token_count": session.tokens,
-                "llama_stage.compute_ms": session.compute_us / 1000.0,
-                "llama_stage.forward_write_ms": session.forward_write_us / 1000.0,
-                "llama_stage.stale_dropped": self.server.stale_dropped,
-                "llama_stage.stale_stopped": self.server.stale_stopped,
-                "llama_stage.stale_stopped_layers": {
-                    str(layer): count
-                    for layer, count in sorted(self.server.stale_stopped_layers.items())
-                },
-            },
-        )
 
     async def _cancel(self, message: _proto.Cancel) -> None:
         if not self.server.is_last:
@@ -353,7 +308,7 @@ class LaneWorker:
                 return  # else the hop was replaced at the start of a request
             owed = self._owed.popleft() if self._owed else None
             if isinstance(reply, _proto.Ack) and owed is not None:
-                wait_us = _us_since(owed.sent)
+                wait_us = us_since(owed.sent)
                 own = owed.stats
                 if own.slowest_tokens:  # a prefill chunk: this stage's edge is this hop
                     own = attrs.evolve(
@@ -369,10 +324,9 @@ class LaneWorker:
                 await self.up.send(reply)  # an Error from further down, unchanged
 
     async def _forward_pass(
-        self,
-        message: _proto.Prefill | _proto.Decode | _proto.Verify,
-        activations: np.ndarray[Any, Any] | None,
+        self, message: _proto.ActivationMessage, activations: np.ndarray[Any, Any] | None
     ) -> None:
+        """Compute one message's layers, then forward the activations or reply to stage 0."""
         server = self.server
         wants_predictions = not isinstance(message, _proto.Prefill) or message.predict
         # Failures go where stage 0 is listening: the return path for predictions from the
@@ -386,92 +340,115 @@ class LaneWorker:
                 upstream=fail_upstream,
             )
             return
-        backend = server.backend
+        computed = await self._compute(message, activations, session, fail_upstream=fail_upstream)
+        if computed is None:
+            return
+        out, compute_us = computed
+        tel = telemetry.current()
+        stats = self._record_compute(message, session, compute_us, tel)
+        if not server.is_last:
+            await self._forward(message, session, out, stats, tel, owes_ack=not wants_predictions)
+        elif not wants_predictions:
+            await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))
+        else:
+            await self._reply_predictions(message, session, out, stats)
+
+    async def _compute(
+        self,
+        message: _proto.ActivationMessage,
+        activations: np.ndarray[Any, Any] | None,
+        session: Session,
+        *,
+        fail_upstream: bool,
+    ) -> tuple[np.ndarray[Any, Any], int] | None:
+        """Run ``message`` through this stage's layers: the output and its compute time (µs).
+
+        None when there is nothing to go on with: a verify window that a ``Cancel`` stopped
+        (counted), or a compute that failed (reported to stage 0).
+        """
+        backend = self.server.backend
         tokens = np.asarray(message.tokens, dtype=np.int64)
         rows: Literal["all", "last"] = "all" if isinstance(message, _proto.Verify) else "last"
-        stop = _StopCheck(self) if isinstance(message, _proto.Verify) else None
-
-        def run() -> np.ndarray[Any, Any]:
-            # Overflow and NaN are refused below, as one plain error, not warned about.
-            with np.errstate(all="ignore"):
-                out = backend.forward(
-                    session.cache,
-                    message.position,
-                    tokens=tokens if backend.is_first else None,
-                    hidden=None if backend.is_first else activations,
-                    logits=rows,
-                    should_stop=stop,
-                )
-            if not np.isfinite(out).all():
-                lo, hi = backend.layers
-                raise ValueError(
-                    f"layers {lo}..{hi - 1} computed values that are not finite (NaN or "
-                    "infinity) from these activations."
-                )
-            return out
-
+        stop: StopCheck | None = None
         if isinstance(message, _proto.Verify):
+            stop = StopCheck(lambda: self._current_cancelled)
             self._current, self._current_cancelled = message, False
         start = time.perf_counter()
         try:
-            out = await server.compute(run)
+            out = await self.server.compute(
+                lambda: run_layers(
+                    backend, session.cache, message.position, tokens, activations, rows, stop
+                )
+            )
         except ComputeCancelled:
             assert stop is not None, "only a verify window's compute is ever stopped"
-            self._count_stopped(message, stop.layers_done, _us_since(start))
-            return
+            count_stopped(self.server, message, stop.layers_done, us_since(start))
+            return None
         except (ValueError, StagerunError) as exc:
             await self._fail(message.request_id, f"compute failed: {exc}", upstream=fail_upstream)
-            return
+            return None
         finally:
             self._current = None
-        compute_us = _us_since(start)
+        return out, us_since(start)
+
+    def _record_compute(
+        self, message: _proto.ActivationMessage, session: Session, compute_us: int, tel: Telemetry
+    ) -> _proto.StageStats:
+        """Count a finished compute on its session and trace it; the stats it reports."""
         session.messages += 1
         session.computes += 1
         session.tokens += len(message.tokens)
         session.compute_us += compute_us
-        tel = telemetry.current()
         if tel.debug_enabled:
             tel.debug_span(
                 "stage.binary_llama_decode",
                 now_ns() - compute_us * 1000,
                 {
-                    **self._compute_attributes(message),
+                    **compute_attributes(self.server.index, message),
                     "llama_stage.elapsed_ms": compute_us / 1000.0,
                 },
             )
-        stats = _proto.StageStats(
-            compute_us=compute_us, stage_count=1, token_count=len(message.tokens)
-        )
-        if isinstance(message, _proto.Prefill):
-            stats = attrs.evolve(
-                stats,
-                slowest_compute_us=compute_us,
-                slowest_tokens=len(message.tokens),
-                slowest_stage=server.index,
+        return compute_stats(message, compute_us, self.server.index)
+
+    async def _forward(
+        self,
+        message: _proto.ActivationMessage,
+        session: Session,
+        out: np.ndarray[Any, Any],
+        stats: _proto.StageStats,
+        tel: Telemetry,
+        *,
+        owes_ack: bool,
+    ) -> None:
+        """Send the activations to the next stage; an expected ``Ack`` is owed upstream."""
+        server = self.server
+        down = await self._downstream()
+        write_start = time.perf_counter()
+        await down.send(message, out, server.wire_dtype, timeout=server.reply_timeout)
+        write_us = us_since(write_start)
+        session.forward_write_us += write_us
+        stats = attrs.evolve(stats, forward_write_us=write_us)
+        if tel.debug_enabled:
+            tel.debug_span(
+                "stage.binary_downstream_write",
+                now_ns() - write_us * 1000,
+                {
+                    **compute_attributes(server.index, message),
+                    "llama_stage.forward_activation_bytes": int(out.nbytes),
+                    "llama_stage.elapsed_ms": write_us / 1000.0,
+                },
             )
-        if not server.is_last:
-            down = await self._downstream()
-            write_start = time.perf_counter()
-            await down.send(message, out, server.wire_dtype, timeout=server.reply_timeout)
-            write_us = _us_since(write_start)
-            session.forward_write_us += write_us
-            stats = attrs.evolve(stats, forward_write_us=write_us)
-            if tel.debug_enabled:
-                tel.debug_span(
-                    "stage.binary_downstream_write",
-                    now_ns() - write_us * 1000,
-                    {
-                        **self._compute_attributes(message),
-                        "llama_stage.forward_activation_bytes": int(out.nbytes),
-                        "llama_stage.elapsed_ms": write_us / 1000.0,
-                    },
-                )
-            if not wants_predictions:
-                self._owed.append(_OwedAck(message.request_id, stats, time.perf_counter()))
-            return
-        if not wants_predictions:
-            await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))
-            return
+        if owes_ack:
+            self._owed.append(_OwedAck(message.request_id, stats, time.perf_counter()))
+
+    async def _reply_predictions(
+        self,
+        message: _proto.ActivationMessage,
+        session: Session,
+        out: np.ndarray[Any, Any],
+        stats: _proto.StageStats,
+    ) -> None:
+        """Last stage: sample the next tokens and send them over the return connection."""
         last_position = message.position + (len(message.tokens) - out.shape[0])
         predicted = sample_rows(out, session.sampling, last_position + 1)
         if isinstance(message, _proto.Verify):
@@ -485,38 +462,8 @@ class LaneWorker:
                 tokens=tuple(predicted),
                 stats=stats,
             ),
-            timeout=server.reply_timeout,
+            timeout=self.server.reply_timeout,
         )
-
-    def _count_stopped(
-        self, message: _proto.Prefill | _proto.Decode | _proto.Verify, layers_done: int, us: int
-    ) -> None:
-        """Count a stale compute that stopped at a layer boundary, and where it stopped.
-
-        ``layers_done`` layers ran, so the compute stopped before layer ``lo + layers_done``.
-        Before the first layer nothing was computed: that window was dropped before it
-        started, like one still queued. Otherwise it stopped part-way, strictly inside the
-        stage's layers, and that layer is counted in ``stale_stopped_layers``.
-        """
-        server = self.server
-        layer = server.backend.layers[0] + layers_done
-        if layers_done == 0:
-            server.stale_dropped += 1
-        else:
-            server.stale_stopped += 1
-            server.stale_stopped_layers[layer] += 1
-        tel = telemetry.current()
-        if tel.debug_enabled:
-            tel.debug_span(
-                "stage.binary_llama_decode",
-                now_ns() - us * 1000,
-                {
-                    **self._compute_attributes(message),
-                    "llama_stage.compute_stopped": True,
-                    "llama_stage.compute_stopped_layer": layer,
-                    "llama_stage.elapsed_ms": us / 1000.0,
-                },
-            )
 
     async def _fail(self, request_id: int, text: str, *, upstream: bool) -> None:
         """Report a failure to stage 0: upstream for acked work, else on the return path."""
@@ -526,26 +473,6 @@ class LaneWorker:
         log.warning("stage %d: %s", self.server.index, text)
         target = self.up if upstream or self.sink is None else self.sink
         await target.send(error, timeout=self.server.reply_timeout)
-
-
-class _StopCheck:
-    """``should_stop`` for one verify window's compute: True once a ``Cancel`` named it.
-
-    It counts the polls that let the compute go on. The built-in backends poll once before
-    each layer, so when a stop comes that count is the number of layers already computed (a
-    plugin that polls only between layers, as `stagerun.testing.check_backend` allows, has
-    its stops reported one layer early).
-    """
-
-    def __init__(self, worker: LaneWorker) -> None:
-        self._worker = worker
-        self.layers_done = 0
-
-    def __call__(self) -> bool:
-        if self._worker._current_cancelled:
-            return True
-        self.layers_done += 1
-        return False
 
 
 async def _connect_with_retry(address: str, link: LinkEmulation) -> FrameStream:
