@@ -122,6 +122,7 @@ class StagePlan:
     index: int
     layers: tuple[int, int]
     backend: str
+    threads: int | None  # compute threads (None: the backend decides)
     device: str | None  # the configured device, where this stage's backend takes one
     listen: str | None  # where a stage started here listens (None: stage 0, or remote)
     remote: str | None  # the address of a stage already running elsewhere
@@ -195,6 +196,7 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
                 index=i,
                 layers=ranges[i],
                 backend=backends[i],
+                threads=config.threads,
                 device=devices[i],
                 listen=None if i == 0 or remote is not None else listen[i - 1],
                 remote=None if i == 0 or remote is None else remote[i - 1],

@@ -54,7 +54,7 @@ async def open_pipeline(
     first = layout.stages[0]
     backend0 = await trio.to_thread.run_sync(
         lambda: plugins.build_backend(
-            first.backend, model_file, first.layers, threads=config.threads, device=first.device
+            first.backend, model_file, first.layers, threads=first.threads, device=first.device
         )
     )
     with single_exceptions():
@@ -115,7 +115,7 @@ async def _start_stages(
                     stage.backend,
                     model_file,
                     stage.layers,
-                    threads=config.threads,
+                    threads=stage.threads,
                     device=stage.device,
                 )
             )
@@ -138,7 +138,7 @@ async def _start_stages(
                 stage.index,
                 stage.layers,
                 downstream,
-                config.threads,
+                stage.threads,
                 config.wire_dtype,
                 stage.listen,
                 stage.backend,
