@@ -1,5 +1,6 @@
-"""The ``stagerun`` command line's options: every subcommand's parser, and the policies the
-options stand for (`recovery_from_args`, `speculation_from_args`)."""
+"""The ``stagerun`` command line's options: every subcommand's parser (``bench``'s in
+`._bench_options`), and the policies the options stand for (`recovery_from_args`,
+`speculation_from_args`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Any
 
 from .._driver._speculative import SpeculationConfig
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
+from ._bench_options import _request_selector as _request_selector  # re-exported (tests use it)
+from ._bench_options import add_bench_parsers
+from ._pipeline_options import _add_pipeline_options, _link_options, _plugin_options
 
 __all__ = ["build_parser", "recovery_from_args", "speculation_from_args"]
 
@@ -24,26 +28,6 @@ def _layer_ranges(text: str) -> list[tuple[int, int]]:
     return [_layer_range(part) for part in text.split(",") if part.strip()]
 
 
-def _stage_counts(text: str) -> list[int]:
-    try:
-        counts = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"stage counts {text!r} must look like 1,2,3") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError("stage counts must be positive integers")
-    return counts
-
-
-def _delays(text: str) -> list[float]:
-    try:
-        delays = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"hop delays {text!r} must look like 0,10,20") from None
-    if not delays or not all(math.isfinite(d) and d >= 0 for d in delays):
-        raise argparse.ArgumentTypeError("hop delays must be milliseconds, 0 or more")
-    return delays
-
-
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -52,74 +36,6 @@ def _seconds(text: str) -> float:
     if not (0 < value < math.inf):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
     return value
-
-
-def _request_selector(text: str) -> int | str:
-    """A request id (decimal, or hex with 0x), else an HTTP x-request-id label."""
-    try:
-        return int(text, 0)
-    except ValueError:
-        return text
-
-
-def _png_option(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
-        "--png",
-        default=None,
-        metavar="PATH",
-        help=f"also draw {what} into this PNG (needs matplotlib: pip install 'stagerun[plot]')",
-    )
-
-
-def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="model name or GGUF path (default: smollm2)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads per stage")
-    p.add_argument(
-        "--inproc",
-        action="store_true",
-        help="run all stages as tasks in this process (default: one process per stage)",
-    )
-    p.add_argument(
-        "--wire-dtype",
-        choices=["f32", "f16", "q8"],
-        default="f32",
-        help="activation dtype on lanes",
-    )
-    _plugin_options(p)
-
-
-def _transport_list(text: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in text.split(","))
-    if not all(names):
-        raise argparse.ArgumentTypeError(f"transports {text!r} must look like ws,tcp")
-    return names
-
-
-def _plugin_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--transport",
-        default="tcp",
-        help="transport plugin of every lane between local stages (default tcp; see "
-        "`stagerun plugins`)",
-    )
-    p.add_argument(
-        "--transports",
-        type=_transport_list,
-        default=None,
-        help="one transport per hop instead, stage 0->1 first, e.g. ws,tcp",
-    )
-    p.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
-    p.add_argument(
-        "--backends",
-        type=_transport_list,
-        default=None,
-        help="one backend per stage instead, stage 0 first, e.g. numpy,torch,numpy",
-    )
-    p.add_argument(
-        "--device",
-        default=None,
-        help="compute device for backends that take one (torch): cuda, cuda:1, cpu",
-    )
 
 
 def _secret_option(p: argparse.ArgumentParser) -> None:
@@ -196,18 +112,6 @@ def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     else:
         recovery = RecoveryPolicy(timeout=timeout)
     return recovery, SupervisionPolicy(restart=not getattr(args, "no_restart", False))
-
-
-def _link_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--hop-delay-ms",
-        type=float,
-        default=0.0,
-        help="emulate a WAN link: deliver every lane frame this much later (default 0)",
-    )
-    p.add_argument(
-        "--bandwidth-mbps", type=float, default=None, help="emulate a link of this bandwidth"
-    )
 
 
 def _speculation_options(p: argparse.ArgumentParser) -> None:
@@ -317,147 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     _secret_option(stage)
     _telemetry_options(stage)
 
-    bench = sub.add_parser("bench", help="measure throughput, side by side in one run")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    decode = bench_sub.add_parser("decode", help="decode tokens/s per stage count")
-    decode.add_argument("--stages", type=_stage_counts, default=[1, 2, 3])
-    decode.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
-    decode.add_argument("--rounds", type=int, default=3, help="interleaved rounds per config")
-    decode.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
-    decode.add_argument("--json", action="store_true")
-    _add_pipeline_options(decode)
-    spec = bench_sub.add_parser(
-        "speculative", help="plain vs depth 1 vs depth D on input-grounded prompts"
-    )
-    spec.add_argument("--stages", type=int, default=3)
-    spec.add_argument("--depth", type=int, default=4, help="the pipelined depth D (default 4)")
-    spec.add_argument("--window", type=int, default=4, help="draft tokens per window")
-    spec.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
-    spec.add_argument("--rounds", type=int, default=2, help="interleaved rounds")
-    spec.add_argument(
-        "--hop-delays",
-        type=_delays,
-        default=None,
-        metavar="MS,MS,...",
-        help="sweep these hop delays, one pipeline each (instead of --hop-delay-ms)",
-    )
-    spec.add_argument("--json", action="store_true")
-    _png_option(spec, "tokens/s against hop delay")
-    _add_pipeline_options(spec)
-    _link_options(spec)
-
-    timeline = bench_sub.add_parser(
-        "timeline",
-        help="one speculative request traced on every stage: compute, write, wait, stale work",
-    )
-    timeline.add_argument("--stages", type=int, default=3)
-    timeline.add_argument("--depth", type=int, default=4, help="verify windows in flight")
-    timeline.add_argument("--window", type=int, default=4, help="draft tokens per window")
-    timeline.add_argument("--tokens", type=int, default=48, help="tokens generated")
-    timeline.add_argument(
-        "--prompt", choices=("repeat", "rewrite", "code-edit"), default="code-edit"
-    )
-    timeline.add_argument(
-        "--trace", default=None, metavar="PATH", help="keep the JSON-lines trace here"
-    )
-    timeline.add_argument(
-        "--from-trace",
-        default=None,
-        metavar="PATH",
-        help="run nothing: draw a request from this debug trace (e.g. one a served pipeline "
-        "wrote with --telemetry debug --telemetry-jsonl PATH)",
-    )
-    timeline.add_argument(
-        "--request-id",
-        type=_request_selector,
-        default=None,
-        help="with --from-trace: the request to draw, by its id in the trace "
-        "(llama_stage.request_id) or by the x-request-id it was served under (default: the "
-        "last one to finish)",
-    )
-    timeline.add_argument("--json", action="store_true")
-    _png_option(timeline, "the timeline")
-    _add_pipeline_options(timeline)
-    _link_options(timeline)
-
+    add_bench_parsers(sub)
     sub.add_parser("models", help="list the models stagerun can find by name")
-
-    prefill = bench_sub.add_parser(
-        "prefill", help="time to first token: one unchunked prefill vs planned, pipelined chunks"
-    )
-    prefill.add_argument("--stages", type=_stage_counts, default=[2, 3])
-    prefill.add_argument("--prompt-tokens", type=int, default=1500)
-    prefill.add_argument("--hop-delay-ms", type=float, default=10.0)
-    prefill.add_argument("--rounds", type=int, default=3)
-    prefill.add_argument(
-        "--policies",
-        type=_transport_list,
-        default=("unchunked", "adaptive"),
-        help="prefill chunk policies to compare, the first is the baseline: unchunked, "
-        "adaptive or a size; POLICY/serial waits for each chunk's ack (default "
-        "unchunked,adaptive)",
-    )
-    prefill.add_argument("--json", action="store_true")
-    _add_pipeline_options(prefill)
-
-    load = bench_sub.add_parser(
-        "load", help="many concurrent clients against stagerun serve: completed, 429, lost"
-    )
-    load.add_argument("--requests", type=int, default=200)
-    load.add_argument("--clients", type=int, default=16)
-    load.add_argument("--max-tokens", type=int, default=24)
-    load.add_argument("--stages", type=int, default=3)
-    load.add_argument("--parallel", type=int, default=4, help="the server's --parallel")
-    load.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue")
-    load.add_argument("--model", default="smollm2")
-    load.add_argument("--json", action="store_true")
-
-    recovery = bench_sub.add_parser(
-        "recovery", help="kill -9 a stage mid-generation: detection, restart, replay times"
-    )
-    recovery.add_argument("--stages", type=int, default=3)
-    recovery.add_argument("--victim", type=int, default=1, help="stage to kill (default 1)")
-    recovery.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
-    recovery.add_argument("--kill-at", type=int, default=48, help="kill after this many tokens")
-    recovery.add_argument("--rounds", type=int, default=3)
-    recovery.add_argument("--json", action="store_true")
-    _add_pipeline_options(recovery)
-
-    transport = bench_sub.add_parser(
-        "transport", help="frame round trip and decode tokens/s per transport"
-    )
-    transport.add_argument(
-        "--compare",
-        dest="transports_to_compare",
-        type=_transport_list,
-        default=("tcp", "ws"),
-        help="transports to compare, the first is the baseline (default tcp,ws)",
-    )
-    transport.add_argument("--stages", type=int, default=3)
-    transport.add_argument("--tokens", type=int, default=64)
-    transport.add_argument("--rounds", type=int, default=5)
-    transport.add_argument("--iterations", type=int, default=2000, help="round trips timed")
-    transport.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
-    transport.add_argument("--json", action="store_true")
-    transport.add_argument("--model", default="smollm2")
-    transport.add_argument("--threads", type=int, default=None)
-    transport.add_argument("--inproc", action="store_true")
-
-    backends = bench_sub.add_parser(
-        "backends", help="decode tokens/s and verify-window cost per compute backend"
-    )
-    backends.add_argument(
-        "--compare",
-        dest="backends_to_compare",
-        type=_transport_list,
-        default=None,
-        help="backends to compare, the first is the baseline (default: all installed but fake)",
-    )
-    backends.add_argument("--rounds", type=int, default=7)
-    backends.add_argument("--threads", type=int, default=1, help="compute threads (default 1)")
-    backends.add_argument("--prompt", default="Once upon a time, in a lighthouse by the sea,")
-    backends.add_argument("--model", default="smollm2")
-    backends.add_argument("--json", action="store_true")
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API over a pipeline")
     serve.add_argument(

@@ -122,6 +122,48 @@ def request_timeline(records: Iterable[Record], request_id: int | str | None = N
         ValueError: the trace has no finished request, or lacks the ``debug`` spans.
     """
     records = list(records)
+    summary = _summary(records, request_id)
+    request_id = int(summary.attributes[_REQUEST])
+    mine = [r for r in records if r.attributes.get(_REQUEST) == request_id]
+    stages = int(summary.attributes.get("llama_stage.stages", 1))
+    t0 = summary.start_ns
+    windows = [r for r in mine if r.name == "stage.openai_decode_verify_window"]
+    stale_ids = {
+        r.attributes["llama_stage.verify_window_id"]
+        for r in windows
+        if r.attributes.get("llama_stage.verify_window_stale")
+        or r.attributes.get("llama_stage.verify_window_cancelled")
+    }
+    busy = _busy(mine, stages, stale_ids, t0)
+    if not any(busy):
+        raise ValueError(
+            f"request {request_id} has no compute spans: record the trace at the debug level"
+        )
+    extents = _extents(summary, mine)
+    segments: list[Segment] = []
+    for stage, spans in enumerate(busy):
+        spans.sort(key=lambda s: s.start_ms)
+        segments.extend(spans)
+        begin, end = extents.get(stage, (0.0, _ms(summary.end_ns, t0)))
+        segments.extend(_gaps(stage, spans, begin, end))
+    return Timeline(
+        request_id=request_id,
+        stages=stages,
+        elapsed_ms=_ms(summary.end_ns, t0),
+        segments=tuple(sorted(segments, key=lambda s: (s.stage, s.start_ms))),
+        windows=len(windows),
+        stale_windows=len(stale_ids),
+        tokens=int(summary.attributes.get("llama_stage.completion_token_count", 0)),
+    )
+
+
+def _ms(ns: int, t0: int) -> float:
+    """Milliseconds from ``t0`` to ``ns``."""
+    return (ns - t0) / 1e6
+
+
+def _summary(records: Sequence[Record], request_id: int | str | None) -> Record:
+    """The generation summary of ``request_id`` (an id or a label), else the last to finish."""
     summaries = [r for r in records if r.name == "stage.openai_generation_summary"]
     if request_id is not None:
         key = _REQUEST if isinstance(request_id, int) else "stagerun.request_label"
@@ -130,22 +172,11 @@ def request_timeline(records: Iterable[Record], request_id: int | str | None = N
             raise ValueError(f"the trace holds no finished request {request_id}")
     if not summaries:
         raise ValueError("the trace holds no finished request (stage.openai_generation_summary)")
-    summary = max(summaries, key=lambda r: r.end_ns)
-    request_id = int(summary.attributes[_REQUEST])
-    mine = [r for r in records if r.attributes.get(_REQUEST) == request_id]
-    stages = int(summary.attributes.get("llama_stage.stages", 1))
-    t0 = summary.start_ns
+    return max(summaries, key=lambda r: r.end_ns)
 
-    def ms(ns: int) -> float:
-        return (ns - t0) / 1e6
 
-    windows = [r for r in mine if r.name == "stage.openai_decode_verify_window"]
-    stale_ids = {
-        r.attributes["llama_stage.verify_window_id"]
-        for r in windows
-        if r.attributes.get("llama_stage.verify_window_stale")
-        or r.attributes.get("llama_stage.verify_window_cancelled")
-    }
+def _busy(mine: Sequence[Record], stages: int, stale_ids: set[Any], t0: int) -> list[list[Segment]]:
+    """Per stage, the request's compute (or wasted, ``stale``) and forward-write spans."""
     busy: list[list[Segment]] = [[] for _ in range(stages)]
     for r in mine:
         stage = r.attributes.get(_STAGE)
@@ -161,14 +192,17 @@ def request_timeline(records: Iterable[Record], request_id: int | str | None = N
             kind = "write"
         else:
             continue
-        busy[stage].append(Segment(stage, kind, ms(r.start_ns), ms(r.end_ns)))
-    if not any(busy):
-        raise ValueError(
-            f"request {request_id} has no compute spans: record the trace at the debug level"
-        )
-    # How long the request was open on each stage: stage 0's summary, the stages' own. After
-    # a recovery, stage 0's row starts at the first record under the final id: what came
-    # before (the failed lane, detection, backoff) belongs to ids this timeline doesn't show.
+        busy[stage].append(Segment(stage, kind, _ms(r.start_ns, t0), _ms(r.end_ns, t0)))
+    return busy
+
+
+def _extents(summary: Record, mine: Sequence[Record]) -> dict[int, tuple[float, float]]:
+    """How long the request was open on each stage: stage 0's summary, the stages' own.
+
+    After a recovery, stage 0's row starts at the first record under the final id: what came
+    before (the failed lane, detection, backoff) belongs to ids this timeline doesn't show.
+    """
+    t0 = summary.start_ns
     begin0 = summary.start_ns
     if summary.attributes.get("llama_stage.recoveries", 0):
         spanning = ("stage.openai_generation_summary", "stage.openai_decode")
@@ -177,25 +211,11 @@ def request_timeline(records: Iterable[Record], request_id: int | str | None = N
              if r.name not in spanning and r.attributes.get(_STAGE, 0) == 0),
             default=begin0,
         )  # fmt: skip
-    extents = {0: (ms(begin0), ms(summary.end_ns))}
+    extents = {0: (_ms(begin0, t0), _ms(summary.end_ns, t0))}
     for r in mine:
         if r.name == "stage.binary_request_summary" and isinstance(r.attributes.get(_STAGE), int):
-            extents[r.attributes[_STAGE]] = (ms(r.start_ns), ms(r.end_ns))
-    segments: list[Segment] = []
-    for stage, spans in enumerate(busy):
-        spans.sort(key=lambda s: s.start_ms)
-        segments.extend(spans)
-        begin, end = extents.get(stage, (0.0, ms(summary.end_ns)))
-        segments.extend(_gaps(stage, spans, begin, end))
-    return Timeline(
-        request_id=request_id,
-        stages=stages,
-        elapsed_ms=ms(summary.end_ns),
-        segments=tuple(sorted(segments, key=lambda s: (s.stage, s.start_ms))),
-        windows=len(windows),
-        stale_windows=len(stale_ids),
-        tokens=int(summary.attributes.get("llama_stage.completion_token_count", 0)),
-    )
+            extents[r.attributes[_STAGE]] = (_ms(r.start_ns, t0), _ms(r.end_ns, t0))
+    return extents
 
 
 def _gaps(stage: int, spans: Sequence[Segment], begin: float, end: float) -> list[Segment]:

@@ -62,6 +62,82 @@ class PrefillReport:
         self.grew, self.shrank = planner.grew, planner.shrank
 
 
+class _ChunkSender:
+    """Stage 0's end of one prefill's lane: computes and sends chunks, keeps the ack window.
+
+    Up to ``credit`` chunks before the last may be unacknowledged; the statistics their acks
+    carry are merged into `down`. A ``Configure`` sent unacknowledged just before is owed the
+    first ack.
+    """
+
+    def __init__(
+        self,
+        lane: Lane,
+        request_id: int,
+        *,
+        compute0: Callable[[int, Sequence[int]], Awaitable[np.ndarray[Any, Any]]],
+        credit: int,
+        wire_dtype: _proto.ActivationDType,
+        configure_owed: bool,
+    ) -> None:
+        self._lane, self._request_id = lane, request_id
+        self._compute0, self._credit, self._wire_dtype = compute0, credit, wire_dtype
+        self._configure_owed = configure_owed
+        self._configure_wait = 0.0  # seconds this chunk spent on Configure's ack: not downstream
+        self._pending = 0
+        self.down = _proto.StageStats()
+
+    async def send(
+        self, index: int, position: int, piece: Sequence[int], *, last: bool
+    ) -> tuple[float, PrefillChunkObservation]:
+        """Compute chunk ``index`` and send it; wait while ``credit`` chunks are unacknowledged.
+
+        Returns when the chunk started (`time.perf_counter`) and stage 0's view of it.
+        """
+        started = time.perf_counter()
+        hidden = await self._compute0(position, piece)
+        computed = time.perf_counter()
+        await self._lane.send(
+            _proto.Prefill(
+                request_id=self._request_id,
+                chunk_index=index,
+                position=position,
+                tokens=tuple(piece),
+                predict=last,
+            ),
+            hidden,
+            self._wire_dtype,
+        )
+        written = time.perf_counter()
+        self._configure_wait = 0.0
+        if not last:
+            self._pending += 1
+            while self._pending >= self._credit:
+                await self._merge_next_ack()
+        waited = time.perf_counter()
+        return started, PrefillChunkObservation(
+            compute_ms=(computed - started) * 1000.0,
+            forward_write_ms=(written - computed) * 1000.0,
+            downstream_wait_ms=(waited - written - self._configure_wait) * 1000.0,
+        )
+
+    async def drain(self) -> None:
+        """Receive the acks still owed: the unacknowledged chunks', then Configure's."""
+        while self._pending:
+            await self._merge_next_ack()
+        if self._configure_owed:
+            await self._lane.receive_ack()
+
+    async def _merge_next_ack(self) -> None:
+        if self._configure_owed:
+            asked = time.perf_counter()
+            await self._lane.receive_ack()
+            self._configure_wait = time.perf_counter() - asked
+            self._configure_owed = False
+        self.down = self.down.merge((await self._lane.receive_ack()).stats)
+        self._pending -= 1
+
+
 async def send_prefill(
     lane: Lane,
     request_id: int,
@@ -84,58 +160,28 @@ async def send_prefill(
     ``configure_owed``: the request's ``Configure`` went down unacknowledged just before;
     its ack comes first, and a stage's refusal of it arrives here as `StageError`.
     """
-
-    configure_wait = 0.0  # seconds this chunk spent on Configure's ack: not downstream wait
-
-    async def next_ack() -> _proto.StageStats:
-        nonlocal configure_owed, configure_wait
-        if configure_owed:
-            asked = time.perf_counter()
-            await lane.receive_ack()
-            configure_wait = time.perf_counter() - asked
-            configure_owed = False
-        return (await lane.receive_ack()).stats
-
+    sender = _ChunkSender(
+        lane,
+        request_id,
+        compute0=compute0,
+        credit=credit,
+        wire_dtype=wire_dtype,
+        configure_owed=configure_owed,
+    )
     total = len(prompt_ids)
     planner = PrefillPlanner(policy, total)
     if estimate is not None:
         planner.seed(estimate)
     report = PrefillReport(policy=repr(policy))
-    down = _proto.StageStats()
     tel = telemetry.current()
     prefill_start = telemetry.now_ns()
-    pending, position = 0, 0
+    position = 0
     prefill_t0 = time.perf_counter()
     while position < total:
         size = planner.next_size(total - position)
         piece = prompt_ids[position : position + size]
-        last = position + size >= total
-        started = time.perf_counter()
-        hidden = await compute0(position, piece)
-        computed = time.perf_counter()
-        await lane.send(
-            _proto.Prefill(
-                request_id=request_id,
-                chunk_index=report.chunks,
-                position=position,
-                tokens=tuple(piece),
-                predict=last,
-            ),
-            hidden,
-            wire_dtype,
-        )
-        written = time.perf_counter()
-        configure_wait = 0.0
-        if not last:
-            pending += 1
-            while pending >= credit:
-                down = down.merge(await next_ack())
-                pending -= 1
-        waited = time.perf_counter()
-        chunk = PrefillChunkObservation(
-            compute_ms=(computed - started) * 1000.0,
-            forward_write_ms=(written - computed) * 1000.0,
-            downstream_wait_ms=(waited - written - configure_wait) * 1000.0,
+        started, chunk = await sender.send(
+            report.chunks, position, piece, last=position + size >= total
         )
         planner.observe(chunk)
         report.add(len(piece), chunk)
@@ -143,54 +189,78 @@ async def send_prefill(
             tel.debug_span(
                 "stage.openai_prefill_chunk",
                 prefill_start + int((started - prefill_t0) * 1e9),
-                {
-                    "llama_stage.request_id": request_id,
-                    "llama_stage.seq_id": report.chunks - 1,
-                    "llama_stage.pos_start": position,
-                    "llama_stage.token_count": len(piece),
-                    "llama_stage.stage0_compute_ms": chunk.compute_ms,
-                    "llama_stage.forward_write_ms": chunk.forward_write_ms,
-                    "llama_stage.downstream_wait_ms": chunk.downstream_wait_ms,
-                },
+                _chunk_attributes(request_id, report.chunks - 1, position, len(piece), chunk),
             )
         position += size
     acked = report.chunks - 1
-    while pending:
-        down = down.merge(await next_ack())
-        pending -= 1
-    if configure_owed:
-        await lane.receive_ack()
+    await sender.drain()
     report.finish(planner)
     tel.span(
         "stage.openai_prefill",
         prefill_start,
-        {
-            "llama_stage.request_id": request_id,
-            "llama_stage.token_count": total,
-            "llama_stage.prefill_chunks": report.chunks,
-            "llama_stage.prefill_chunks_grew": report.grew,
-            "llama_stage.prefill_chunks_shrank": report.shrank,
-            "llama_stage.prefill_max_forward_write_ms": report.max_write_ms,
-            "llama_stage.prefill_max_downstream_wait_ms": report.max_wait_ms,
-            "llama_stage.downstream_compute_ms": down.compute_us / 1000.0,
-            "llama_stage.elapsed_ms": (telemetry.now_ns() - prefill_start) / 1e6,
-        },
+        _prefill_attributes(request_id, total, report, sender.down, prefill_start),
     )
     if estimate is not None and acked:
-        estimate.observe(
-            stage_index=0,
-            compute_ms=report.representative_compute_ms,
-            compute_tokens=report.representative_tokens,
-            forward_write_ms=report.max_write_ms,
-            downstream_wait_ms=report.max_wait_ms,
-            downstream=DownstreamPrefillReport(
-                compute_ms=down.slowest_compute_us / 1000.0,
-                compute_tokens=down.slowest_tokens,
-                compute_stage_index=down.slowest_stage,
-                edge_write_ms=down.edge_write_us / 1000.0,
-                edge_wait_ms=down.edge_wait_us / 1000.0,
-                edge_stage_index=down.edge_stage,
-                observations=acked,
-            ),
-        )
+        _observe_transport(estimate, report, sender.down, acked)
     return report
+
+
+def _chunk_attributes(
+    request_id: int, index: int, position: int, tokens: int, chunk: PrefillChunkObservation
+) -> dict[str, Any]:
+    """The attributes of one chunk's ``stage.openai_prefill_chunk`` debug span."""
+    return {
+        "llama_stage.request_id": request_id,
+        "llama_stage.seq_id": index,
+        "llama_stage.pos_start": position,
+        "llama_stage.token_count": tokens,
+        "llama_stage.stage0_compute_ms": chunk.compute_ms,
+        "llama_stage.forward_write_ms": chunk.forward_write_ms,
+        "llama_stage.downstream_wait_ms": chunk.downstream_wait_ms,
+    }
+
+
+def _prefill_attributes(
+    request_id: int,
+    total: int,
+    report: PrefillReport,
+    down: _proto.StageStats,
+    prefill_start: int,
+) -> dict[str, Any]:
+    """The attributes of the whole prefill's ``stage.openai_prefill`` span, timed to now."""
+    return {
+        "llama_stage.request_id": request_id,
+        "llama_stage.token_count": total,
+        "llama_stage.prefill_chunks": report.chunks,
+        "llama_stage.prefill_chunks_grew": report.grew,
+        "llama_stage.prefill_chunks_shrank": report.shrank,
+        "llama_stage.prefill_max_forward_write_ms": report.max_write_ms,
+        "llama_stage.prefill_max_downstream_wait_ms": report.max_wait_ms,
+        "llama_stage.downstream_compute_ms": down.compute_us / 1000.0,
+        "llama_stage.elapsed_ms": (telemetry.now_ns() - prefill_start) / 1e6,
+    }
+
+
+def _observe_transport(
+    estimate: PrefillTransportEstimate,
+    report: PrefillReport,
+    down: _proto.StageStats,
+    acked: int,
+) -> None:
+    """Fold this prefill's stage 0 view and its ``acked`` chunks' statistics into ``estimate``."""
+    estimate.observe(
+        stage_index=0,
+        compute_ms=report.representative_compute_ms,
+        compute_tokens=report.representative_tokens,
+        forward_write_ms=report.max_write_ms,
+        downstream_wait_ms=report.max_wait_ms,
+        downstream=DownstreamPrefillReport(
+            compute_ms=down.slowest_compute_us / 1000.0,
+            compute_tokens=down.slowest_tokens,
+            compute_stage_index=down.slowest_stage,
+            edge_write_ms=down.edge_write_us / 1000.0,
+            edge_wait_ms=down.edge_wait_us / 1000.0,
+            edge_stage_index=down.edge_stage,
+            observations=acked,
+        ),
+    )

@@ -81,6 +81,49 @@ def write_tiny_model(
         attention_gain: a factor on the query projections: how sharply heads attend.
         logit_scale: a factor on the output norm's gain: how peaked the logits are.
     """
+    qtype = _block_type(weights, d_model=d_model, d_ff=d_ff, n_heads=n_heads, n_kv_heads=n_kv_heads)
+    path = pathlib.Path(path)
+    tokens, token_types = _tiny_vocabulary()
+    writer = gguf.GGUFWriter(path, architecture)
+    _add_hyperparameters(
+        writer,
+        qtype,
+        weights,
+        n_layers=n_layers,
+        context_length=context_length,
+        d_model=d_model,
+        d_ff=d_ff,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab=len(tokens),
+    )
+    _add_tokenizer(writer, tokens, token_types)
+    _add_weights(
+        writer,
+        qtype,
+        seed=seed,
+        vocab=len(tokens),
+        n_layers=n_layers,
+        d_model=d_model,
+        d_ff=d_ff,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        tied_output=tied_output,
+        embedding_std=embedding_std,
+        attention_gain=attention_gain,
+        logit_scale=logit_scale,
+    )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _block_type(
+    weights: str, *, d_model: int, d_ff: int, n_heads: int, n_kv_heads: int
+) -> gguf.GGMLQuantizationType:
+    """The GGML type named ``weights``, once the shapes are known to fit it and each other."""
     if d_model % n_heads or n_heads % n_kv_heads or (d_model // n_heads) % 2:
         raise ValueError("d_model must split into an even head_dim, and heads into KV groups.")
     try:
@@ -90,21 +133,31 @@ def write_tiny_model(
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if qtype != gguf.GGMLQuantizationType.F32 and (d_model % block or d_ff % block):
         raise ValueError(f"{weights} needs d_model and d_ff to be multiples of {block}.")
-    path = pathlib.Path(path)
-    head_dim = d_model // n_heads
+    return qtype
+
+
+def _tiny_vocabulary() -> tuple[list[str], list[int]]:
+    """The tokens (control tokens, the 256 byte tokens, the merges) and their GGUF types."""
     byte_tokens = [bytes_to_unicode()[b] for b in range(256)]
     tokens = [*TINY_SPECIAL_TOKENS, *byte_tokens, *(a + b for a, b in TINY_MERGES)]
     token_types = [3] * len(TINY_SPECIAL_TOKENS) + [1] * (len(tokens) - len(TINY_SPECIAL_TOKENS))
-    vocab = len(tokens)
-    rng = np.random.default_rng(seed)
+    return tokens, token_types
 
-    def matrix(out: int, inp: int) -> npt.NDArray[np.float32]:
-        return np.asarray(rng.standard_normal((out, inp)) / np.sqrt(inp), dtype=np.float32)
 
-    def gain(n: int) -> npt.NDArray[np.float32]:
-        return np.asarray(1.0 + 0.1 * rng.standard_normal(n), dtype=np.float32)
-
-    writer = gguf.GGUFWriter(path, architecture)
+def _add_hyperparameters(
+    writer: gguf.GGUFWriter,
+    qtype: gguf.GGMLQuantizationType,
+    weights: str,
+    *,
+    n_layers: int,
+    context_length: int,
+    d_model: int,
+    d_ff: int,
+    n_heads: int,
+    n_kv_heads: int,
+    vocab: int,
+) -> None:
+    """The model's name, file type and llama shape keys."""
     writer.add_name("tiny-random-llama")
     file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{weights}"
     if file_type in gguf.LlamaFileType.__members__:
@@ -117,8 +170,12 @@ def write_tiny_model(
     writer.add_head_count_kv(n_kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(d_model // n_heads)
     writer.add_vocab_size(vocab)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokens: list[str], token_types: list[int]) -> None:
+    """The byte-level BPE tokenizer with its ChatML control tokens and chat template."""
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
@@ -128,6 +185,33 @@ def write_tiny_model(
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHATML_TEMPLATE)
+
+
+def _add_weights(
+    writer: gguf.GGUFWriter,
+    qtype: gguf.GGMLQuantizationType,
+    *,
+    seed: int,
+    vocab: int,
+    n_layers: int,
+    d_model: int,
+    d_ff: int,
+    n_heads: int,
+    n_kv_heads: int,
+    tied_output: bool,
+    embedding_std: float,
+    attention_gain: float,
+    logit_scale: float,
+) -> None:
+    """Seeded random tensors, drawn in file order: F32 norms and embeddings, ``qtype`` blocks."""
+    head_dim = d_model // n_heads
+    rng = np.random.default_rng(seed)
+
+    def matrix(out: int, inp: int) -> npt.NDArray[np.float32]:
+        return np.asarray(rng.standard_normal((out, inp)) / np.sqrt(inp), dtype=np.float32)
+
+    def gain(n: int) -> npt.NDArray[np.float32]:
+        return np.asarray(1.0 + 0.1 * rng.standard_normal(n), dtype=np.float32)
 
     def add_matrix(name: str, m: npt.NDArray[np.float32]) -> None:
         if qtype == gguf.GGMLQuantizationType.F32:
@@ -150,8 +234,3 @@ def write_tiny_model(
     writer.add_tensor("output_norm.weight", logit_scale * gain(d_model))
     if not tied_output:
         writer.add_tensor("output.weight", matrix(vocab, d_model))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path

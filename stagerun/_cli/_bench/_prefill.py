@@ -38,23 +38,7 @@ async def bench_prefill(args: argparse.Namespace) -> int:
     tokens: dict[tuple[int, str], list[int]] = {}
     chunk_sizes: dict[tuple[int, str], list[int]] = {}
     async with AsyncExitStack() as stack:
-        pipelines: dict[tuple[int, str], Pipeline] = {}
-        for n in counts:
-            for policy in policies:
-                name, _, mode_text = policy.partition("/")
-                chunking = 1_000_000 if name == "unchunked" else name
-                credit = 1 if mode_text == "serial" else 3
-                say(args, f"starting {n} stages, prefill {policy}")
-                pipelines[n, policy] = await stack.enter_async_context(
-                    bench_pipeline(
-                        args,
-                        stages=n,
-                        threads=threads,
-                        hop_delay_ms=args.hop_delay_ms,
-                        prefill_chunk=chunking,
-                        prefill_credit=credit,
-                    )
-                )
+        pipelines = await _start_pipelines(args, stack, counts, policies, threads)
         prompt = _prefill_prompt(next(iter(pipelines.values())), args.prompt_tokens)
         for pipeline in pipelines.values():  # warm-up, and a first transport estimate
             await pipeline.complete(prompt, max_tokens=2, ignore_eog=True)
@@ -71,22 +55,7 @@ async def bench_prefill(args: argparse.Namespace) -> int:
                     f"{result.timings['prompt_ms']:.0f} ms in {len(chunk_sizes.get(key, []))} "
                     "chunks",
                 )
-    rows: list[dict[str, Any]] = []
-    for n in counts:
-        base = statistics.median(ttft[n, policies[0]])
-        for policy in policies:
-            median = statistics.median(ttft[n, policy])
-            rows.append(
-                {
-                    "stages": n,
-                    "policy": policy,
-                    "ttft_ms": round(median, 1),
-                    "samples_ms": [round(x, 1) for x in ttft[n, policy]],
-                    "reduction_vs_baseline": round(1.0 - median / base, 3),
-                    "chunks": chunk_sizes.get((n, policy), []),
-                    "same_tokens": tokens[n, policy] == tokens[n, policies[0]],
-                }
-            )
+    rows = _prefill_rows(counts, policies, ttft, tokens, chunk_sizes)
     report = {
         "benchmark": "prefill",
         "model": str(args.model),
@@ -106,3 +75,58 @@ async def bench_prefill(args: argparse.Namespace) -> int:
                 f"{policies[0]}; chunks {row['chunks']})"
             )
     return 0
+
+
+async def _start_pipelines(
+    args: argparse.Namespace,
+    stack: AsyncExitStack,
+    counts: list[int],
+    policies: list[str],
+    threads: int,
+) -> dict[tuple[int, str], Pipeline]:
+    """A pipeline per stage count and prefill policy, each closed when ``stack`` is."""
+    pipelines: dict[tuple[int, str], Pipeline] = {}
+    for n in counts:
+        for policy in policies:
+            name, _, mode_text = policy.partition("/")
+            chunking = 1_000_000 if name == "unchunked" else name
+            credit = 1 if mode_text == "serial" else 3
+            say(args, f"starting {n} stages, prefill {policy}")
+            pipelines[n, policy] = await stack.enter_async_context(
+                bench_pipeline(
+                    args,
+                    stages=n,
+                    threads=threads,
+                    hop_delay_ms=args.hop_delay_ms,
+                    prefill_chunk=chunking,
+                    prefill_credit=credit,
+                )
+            )
+    return pipelines
+
+
+def _prefill_rows(
+    counts: list[int],
+    policies: list[str],
+    ttft: dict[tuple[int, str], list[float]],
+    tokens: dict[tuple[int, str], list[int]],
+    chunk_sizes: dict[tuple[int, str], list[int]],
+) -> list[dict[str, Any]]:
+    """One result row per stage count and policy, against the first policy as the baseline."""
+    rows: list[dict[str, Any]] = []
+    for n in counts:
+        base = statistics.median(ttft[n, policies[0]])
+        for policy in policies:
+            median = statistics.median(ttft[n, policy])
+            rows.append(
+                {
+                    "stages": n,
+                    "policy": policy,
+                    "ttft_ms": round(median, 1),
+                    "samples_ms": [round(x, 1) for x in ttft[n, policy]],
+                    "reduction_vs_baseline": round(1.0 - median / base, 3),
+                    "chunks": chunk_sizes.get((n, policy), []),
+                    "same_tokens": tokens[n, policy] == tokens[n, policies[0]],
+                }
+            )
+    return rows

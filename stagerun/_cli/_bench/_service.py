@@ -178,59 +178,90 @@ async def bench_load(args: argparse.Namespace) -> int:
     say(args, "starting " + " ".join(cmd[2:]))
     proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
     try:
-        assert proc.stdout is not None
-        line = b""
-        with trio.fail_after(300):
-            while b"\n" not in line:
-                data = await proc.stdout.receive_some(4096)
-                if not data:
-                    raise RuntimeError("stagerun serve exited before it listened")
-                line += data
-        url = line.decode().split("listening on ", 1)[1].split()[0]
-        host, port = url.removeprefix("http://").rsplit(":", 1)
-        outcomes: dict[str, int] = {}
-        latencies: list[float] = []
-
-        async def client(index: int, todo: list[int]) -> None:
-            while todo:
-                n = todo.pop()
-                body = json.dumps(
-                    {"model": model_id, "prompt": f"Request {n} from client {index}:",
-                     "max_tokens": args.max_tokens, "temperature": 0, "stream": n % 2 == 0}
-                ).encode()  # fmt: skip
-                start = time.perf_counter()
-                try:
-                    with trio.fail_after(120):
-                        status, _ = await _post(host, int(port), "/v1/completions", body)
-                except (trio.TooSlowError, OSError, trio.BrokenResourceError):
-                    status = 0
-                latencies.append(time.perf_counter() - start)
-                key = {200: "ok", 429: "429", 0: "lost"}.get(status, f"http {status}")
-                outcomes[key] = outcomes.get(key, 0) + 1
-                if status == 429:
-                    await trio.sleep(0.1)
-
-        async def run(count: int) -> None:
-            todo = list(range(count))
-            async with trio.open_nursery() as nursery:
-                for index in range(args.clients):
-                    nursery.start_soon(client, index, todo)
-
-        await run(args.clients)
+        host, port = await _listening_address(proc)
+        clients = _LoadClients(args, model_id, host, port)
+        await clients.run(args.clients)
         warm = process_tree_rss_mb(proc.pid)
-        outcomes.clear()
-        latencies.clear()
+        clients.outcomes.clear()
+        clients.latencies.clear()
         started = time.perf_counter()
-        await run(args.requests)
+        await clients.run(args.requests)
         elapsed = time.perf_counter() - started
         after = process_tree_rss_mb(proc.pid)
     finally:
-        proc.terminate()
-        with trio.move_on_after(30):
-            await proc.wait()
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        await _stop_server(proc)
+    return _report_load(args, clients.outcomes, clients.latencies, elapsed, warm, after)
+
+
+async def _listening_address(proc: trio.Process) -> tuple[str, str]:
+    """The host and port ``stagerun serve`` says it listens on (its first line of output)."""
+    assert proc.stdout is not None
+    line = b""
+    with trio.fail_after(300):
+        while b"\n" not in line:
+            data = await proc.stdout.receive_some(4096)
+            if not data:
+                raise RuntimeError("stagerun serve exited before it listened")
+            line += data
+    url = line.decode().split("listening on ", 1)[1].split()[0]
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return host, port
+
+
+async def _stop_server(proc: trio.Process) -> None:
+    """Terminate the server; kill it if it has not exited within 30 seconds."""
+    proc.terminate()
+    with trio.move_on_after(30):
+        await proc.wait()
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+class _LoadClients:
+    """``--clients`` clients sending numbered completions, and how each request ended."""
+
+    def __init__(self, args: argparse.Namespace, model_id: str, host: str, port: str) -> None:
+        self._args, self._model_id, self._host, self._port = args, model_id, host, port
+        self.outcomes: dict[str, int] = {}
+        self.latencies: list[float] = []
+
+    async def run(self, count: int) -> None:
+        """Send ``count`` requests, shared between the clients; return when all are answered."""
+        todo = list(range(count))
+        async with trio.open_nursery() as nursery:
+            for index in range(self._args.clients):
+                nursery.start_soon(self._client, index, todo)
+
+    async def _client(self, index: int, todo: list[int]) -> None:
+        while todo:
+            n = todo.pop()
+            body = json.dumps(
+                {"model": self._model_id, "prompt": f"Request {n} from client {index}:",
+                 "max_tokens": self._args.max_tokens, "temperature": 0, "stream": n % 2 == 0}
+            ).encode()  # fmt: skip
+            start = time.perf_counter()
+            try:
+                with trio.fail_after(120):
+                    status, _ = await _post(self._host, int(self._port), "/v1/completions", body)
+            except (trio.TooSlowError, OSError, trio.BrokenResourceError):
+                status = 0
+            self.latencies.append(time.perf_counter() - start)
+            key = {200: "ok", 429: "429", 0: "lost"}.get(status, f"http {status}")
+            self.outcomes[key] = self.outcomes.get(key, 0) + 1
+            if status == 429:
+                await trio.sleep(0.1)
+
+
+def _report_load(
+    args: argparse.Namespace,
+    outcomes: dict[str, int],
+    latencies: list[float],
+    elapsed: float,
+    warm: float,
+    after: float,
+) -> int:
+    """Print the load report (JSON with ``--json``); 0 if every request got 200 or 429."""
     ordered = sorted(latencies)
     report = {
         "benchmark": "load",

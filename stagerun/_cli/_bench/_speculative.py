@@ -15,6 +15,8 @@ from ..._proto import SamplingParams
 from ._common import bench_pipeline, say
 
 if TYPE_CHECKING:
+    from ..._driver._pipeline import Pipeline
+    from ..._driver._speculative import SpeculationConfig
     from .._report import Timeline
 
 SPECULATIVE_PROMPTS = {
@@ -86,8 +88,8 @@ async def bench_speculative(args: argparse.Namespace) -> int:
 
 
 async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict[str, Any]:
+    """The comparison at one hop delay: every configuration on every prompt, in rounds."""
     from ..._driver._speculative import SpeculationConfig
-    from ...drafters import OracleDrafter
 
     mode: Mode = "inproc" if args.inproc else "processes"
     # One compute thread per stage unless told otherwise: stages here share the machine's
@@ -100,12 +102,7 @@ async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict
         "depth1": SpeculationConfig("ngram", depth=1, window=args.window),
         f"depth{args.depth}": SpeculationConfig("ngram", depth=args.depth, window=args.window),
     }
-    names = [*configs, "always_wrong"]
-    tokens: dict[str, int] = dict.fromkeys(names, 0)
-    seconds: dict[str, float] = dict.fromkeys(names, 0.0)
-    accepted: dict[str, int] = dict.fromkeys(names, 0)
-    proposed: dict[str, int] = dict.fromkeys(names, 0)
-    identical = True
+    tally = _SpeculativeTally([*configs, "always_wrong"])
     say(args, f"starting a {args.stages}-stage pipeline ({mode}, hop delay {hop_delay_ms} ms)")
     async with bench_pipeline(
         args, stages=args.stages, threads=threads, hop_delay_ms=hop_delay_ms
@@ -113,36 +110,83 @@ async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict
         await pipeline.complete("Hello", max_tokens=4, sampling=greedy)
         for round_index in range(args.rounds):
             for label, prompt in SPECULATIVE_PROMPTS.items():
-                plain_ids: list[int] | None = None
-                for name in names:
-                    drafter = None
-                    spec = configs.get(name)
-                    if name == "always_wrong":
-                        assert plain_ids is not None
-                        ids = pipeline.encode_prompt(prompt, chat=True)
-                        drafter = OracleDrafter(
-                            ids + plain_ids, error_rate=1.0, vocab_size=pipeline.config.vocab_size
-                        )
-                        spec = configs[f"depth{args.depth}"]
-                    result = await pipeline.complete(
-                        prompt,
-                        chat=True,
-                        max_tokens=args.tokens,
-                        sampling=greedy,
-                        speculation=spec,
-                        drafter=drafter,
-                    )
-                    if plain_ids is None:
-                        plain_ids = result.token_ids
-                    identical &= result.token_ids == plain_ids
-                    t = result.timings
-                    tokens[name] += max(int(t["predicted_n"]) - 1, 0)
-                    seconds[name] += t["predicted_ms"] / 1000.0
-                    accepted[name] += int(t.get("speculative_accepted_n", 0))
-                    proposed[name] += int(t.get("speculative_proposed_n", 0))
-                    rate = t["predicted_per_second"]
-                    say(args, f"round {round_index + 1} {label:9s} {name:12s} {rate:6.1f} tok/s")
-    rates = {n: tokens[n] / seconds[n] if seconds[n] else 0.0 for n in names}
+                heading = f"round {round_index + 1} {label:9s}"
+                await _compare_on_prompt(args, pipeline, prompt, configs, greedy, tally, heading)
+    return _speculative_report(args, mode, hop_delay_ms, threads, tally)
+
+
+class _SpeculativeTally:
+    """Per configuration, summed over prompts and rounds: tokens, seconds, drafts accepted."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.tokens: dict[str, int] = dict.fromkeys(names, 0)
+        self.seconds: dict[str, float] = dict.fromkeys(names, 0.0)
+        self.accepted: dict[str, int] = dict.fromkeys(names, 0)
+        self.proposed: dict[str, int] = dict.fromkeys(names, 0)
+        self.identical = True
+
+    def add(self, name: str, timings: dict[str, float]) -> None:
+        """Count one completion's decode (its first token is prefill's) and its drafts."""
+        self.tokens[name] += max(int(timings["predicted_n"]) - 1, 0)
+        self.seconds[name] += timings["predicted_ms"] / 1000.0
+        self.accepted[name] += int(timings.get("speculative_accepted_n", 0))
+        self.proposed[name] += int(timings.get("speculative_proposed_n", 0))
+
+    def rates(self) -> dict[str, float]:
+        """Decode tokens per second of each configuration (0 if it never ran)."""
+        return {n: self.tokens[n] / self.seconds[n] if self.seconds[n] else 0.0 for n in self.names}
+
+
+async def _compare_on_prompt(
+    args: argparse.Namespace,
+    pipeline: Pipeline,
+    prompt: str,
+    configs: dict[str, SpeculationConfig | None],
+    greedy: SamplingParams,
+    tally: _SpeculativeTally,
+    heading: str,
+) -> None:
+    """Each configuration on ``prompt``, plain first; last, a drafter that is always wrong."""
+    from ...drafters import OracleDrafter
+
+    plain_ids: list[int] | None = None
+    for name in tally.names:
+        drafter = None
+        spec = configs.get(name)
+        if name == "always_wrong":
+            assert plain_ids is not None
+            ids = pipeline.encode_prompt(prompt, chat=True)
+            drafter = OracleDrafter(
+                ids + plain_ids, error_rate=1.0, vocab_size=pipeline.config.vocab_size
+            )
+            spec = configs[f"depth{args.depth}"]
+        result = await pipeline.complete(
+            prompt,
+            chat=True,
+            max_tokens=args.tokens,
+            sampling=greedy,
+            speculation=spec,
+            drafter=drafter,
+        )
+        if plain_ids is None:
+            plain_ids = result.token_ids
+        tally.identical &= result.token_ids == plain_ids
+        tally.add(name, result.timings)
+        rate = result.timings["predicted_per_second"]
+        say(args, f"{heading} {name:12s} {rate:6.1f} tok/s")
+
+
+def _speculative_report(
+    args: argparse.Namespace,
+    mode: Mode,
+    hop_delay_ms: float,
+    threads: int,
+    tally: _SpeculativeTally,
+) -> dict[str, Any]:
+    """The JSON report of one hop delay's comparison."""
+    names = tally.names
+    rates = tally.rates()
     deep = f"depth{args.depth}"
     return {
         "benchmark": "speculative",
@@ -157,14 +201,16 @@ async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict
         "rounds": args.rounds,
         "prompts": list(SPECULATIVE_PROMPTS),
         "tokens_per_second": {n: round(r, 2) for n, r in rates.items()},
-        "acceptance": {n: round(accepted[n] / proposed[n], 3) for n in names if proposed[n]},
+        "acceptance": {
+            n: round(tally.accepted[n] / tally.proposed[n], 3) for n in names if tally.proposed[n]
+        },
         "ratios": {
             f"{deep}_vs_plain": round(rates[deep] / rates["plain"], 3),
             f"{deep}_vs_depth1": round(rates[deep] / rates["depth1"], 3),
             "depth1_vs_plain": round(rates["depth1"] / rates["plain"], 3),
             "always_wrong_vs_plain": round(rates["always_wrong"] / rates["plain"], 3),
         },
-        "identical_output": identical,
+        "identical_output": tally.identical,
     }
 
 

@@ -57,13 +57,7 @@ def check_drafter(
     prompt, rest = tokens[:half], tokens[half:]
     with _checking("check_drafter", "interface") as check:
         drafter, twin = factory(), factory()
-        for method in ("begin", "commit", "propose"):
-            if not callable(getattr(drafter, method, None)):
-                check.fail(f"{drafter!r} has no {method}()")
-        for flag in ("blocking", "per_request"):
-            value = getattr(drafter, flag, True)
-            if not isinstance(value, bool):
-                check.fail(f"its {flag} is {value!r}, not a bool")
+        _check_interface(check, drafter)
     with _checking("check_drafter", "a request") as check:
         drafter.begin(prompt)
         twin.begin(prompt)
@@ -76,35 +70,59 @@ def check_drafter(
                 right = committed + tokens[len(committed) : len(committed) + 2]
                 wrong = [*committed, prompt[0], prompt[0]]
                 for ctx in (committed, right, wrong):
-                    first = _proposal(check, drafter, ctx, width)
-                    if width == 0 and first:
-                        check.fail(f"propose(context, max_tokens=0) returned {first}")
-                    if vocab_size is not None and any(t >= vocab_size for t in first):
-                        check.fail(
-                            f"propose() returned ids >= the vocab size {vocab_size}: {first}"
-                        )
-                    again = _proposal(check, drafter, ctx, width)
-                    other = _proposal(check, twin, ctx, width)
-                    if again != first or other != first:
-                        check.fail(
-                            f"not deterministic: the same propose() gave {first}, then {again}, "
-                            f"and {other} from a second drafter fed the same calls"
-                        )
+                    _check_proposals(check, drafter, twin, ctx, width, vocab_size)
             drafter.commit(piece)
             twin.commit(piece)
             committed += piece
     with _checking("check_drafter", "begin resets the drafter") as check:
-        short = prompt[: max(1, len(prompt) - 3)]
-        fresh = factory()
-        drafter.begin(short)
-        fresh.begin(short)
-        for width in (1, 4, 16):
-            got, want = (
-                _proposal(check, drafter, short, width),
-                _proposal(check, fresh, short, width),
+        _check_begin_resets(check, drafter, factory(), prompt[: max(1, len(prompt) - 3)])
+
+
+def _check_interface(check: _Check, drafter: Any) -> None:
+    """The drafter has ``begin``, ``commit`` and ``propose``, and bool flags if any."""
+    for method in ("begin", "commit", "propose"):
+        if not callable(getattr(drafter, method, None)):
+            check.fail(f"{drafter!r} has no {method}()")
+    for flag in ("blocking", "per_request"):
+        value = getattr(drafter, flag, True)
+        if not isinstance(value, bool):
+            check.fail(f"its {flag} is {value!r}, not a bool")
+
+
+def _check_proposals(
+    check: _Check,
+    drafter: Any,
+    twin: Any,
+    ctx: Sequence[int],
+    width: int,
+    vocab_size: int | None,
+) -> None:
+    """``propose(ctx, width)`` is well formed, and the same when asked again or of ``twin``."""
+    first = _proposal(check, drafter, ctx, width)
+    if width == 0 and first:
+        check.fail(f"propose(context, max_tokens=0) returned {first}")
+    if vocab_size is not None and any(t >= vocab_size for t in first):
+        check.fail(f"propose() returned ids >= the vocab size {vocab_size}: {first}")
+    again = _proposal(check, drafter, ctx, width)
+    other = _proposal(check, twin, ctx, width)
+    if again != first or other != first:
+        check.fail(
+            f"not deterministic: the same propose() gave {first}, then {again}, "
+            f"and {other} from a second drafter fed the same calls"
+        )
+
+
+def _check_begin_resets(check: _Check, drafter: Any, fresh: Any, short: Sequence[int]) -> None:
+    """After ``begin(short)`` a used drafter proposes what a ``fresh`` one does."""
+    drafter.begin(short)
+    fresh.begin(short)
+    for width in (1, 4, 16):
+        got, want = (
+            _proposal(check, drafter, short, width),
+            _proposal(check, fresh, short, width),
+        )
+        if got != want:
+            check.fail(
+                f"after begin() a used drafter proposed {got}, a fresh one {want}: "
+                "begin() must forget the previous request"
             )
-            if got != want:
-                check.fail(
-                    f"after begin() a used drafter proposed {got}, a fresh one {want}: "
-                    "begin() must forget the previous request"
-                )

@@ -1,0 +1,71 @@
+"""The options that say which pipeline to run: model, threads, plugins, and an emulated link.
+
+`._options` (``generate``, ``serve``) and `._bench_options` both build their parsers from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="model name or GGUF path (default: smollm2)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads per stage")
+    p.add_argument(
+        "--inproc",
+        action="store_true",
+        help="run all stages as tasks in this process (default: one process per stage)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        choices=["f32", "f16", "q8"],
+        default="f32",
+        help="activation dtype on lanes",
+    )
+    _plugin_options(p)
+
+
+def _transport_list(text: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"transports {text!r} must look like ws,tcp")
+    return names
+
+
+def _plugin_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--transport",
+        default="tcp",
+        help="transport plugin of every lane between local stages (default tcp; see "
+        "`stagerun plugins`)",
+    )
+    p.add_argument(
+        "--transports",
+        type=_transport_list,
+        default=None,
+        help="one transport per hop instead, stage 0->1 first, e.g. ws,tcp",
+    )
+    p.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
+    p.add_argument(
+        "--backends",
+        type=_transport_list,
+        default=None,
+        help="one backend per stage instead, stage 0 first, e.g. numpy,torch,numpy",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="compute device for backends that take one (torch): cuda, cuda:1, cpu",
+    )
+
+
+def _link_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--hop-delay-ms",
+        type=float,
+        default=0.0,
+        help="emulate a WAN link: deliver every lane frame this much later (default 0)",
+    )
+    p.add_argument(
+        "--bandwidth-mbps", type=float, default=None, help="emulate a link of this bandwidth"
+    )
