@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import pytest
 
@@ -11,6 +12,7 @@ from stagerun import PipelineConfig, plan
 from stagerun._cli._config import config_from_args
 from stagerun._cli._options import build_parser
 from stagerun.plugins import PluginError
+from stagerun.testing import write_tiny_model
 
 
 def test_the_defaults_are_one_stage_in_process() -> None:
@@ -94,3 +96,25 @@ def test_generate_serve_and_bench_map_the_same_options_to_the_same_settings() ->
         assert (config.backends, config.hop_delay_ms, config.stages) == (("numpy",) * 3, 5.0, 3)
     assert serve.capacity == 4  # --parallel's default
     assert generate.mode == serve.mode == "processes"
+
+
+def test_stage_threads_give_each_stage_its_own_thread_count() -> None:
+    layout = plan(PipelineConfig(stages=3, threads=4, stage_threads=(2, 1, 1)), 30)
+    assert [s.threads for s in layout.stages] == [2, 1, 1]
+    assert [s.threads for s in plan(PipelineConfig(stages=3, threads=4), 30).stages] == [4, 4, 4]
+    with pytest.raises(ValueError, match="3 stages need 3 thread counts of at least 1, got 2, 1"):
+        plan(PipelineConfig(stages=3, stage_threads=(2, 1)), 30)
+    for command in (["generate", "x"], ["serve"], ["bench", "decode"]):
+        args = _args(*command, "--stage-threads", "2,1,1")
+        assert config_from_args(args).stage_threads == (2, 1, 1)
+    with pytest.raises(SystemExit):
+        _args("generate", "--stage-threads", "2,0", "x")
+
+
+async def test_stage_threads_reach_the_backends(tmp_path: pathlib.Path) -> None:
+    model = write_tiny_model(tmp_path / "tiny.gguf", n_layers=3)
+    config = PipelineConfig(stages=3, stage_threads=(3, 1, 2))
+    async with stagerun.open_pipeline(model, config) as pipeline:
+        await pipeline.complete("hello", max_tokens=2)
+        assert pipeline._backend0.threads == 3
+    assert [s.threads for s in plan(config, 3).stages] == [3, 1, 2]

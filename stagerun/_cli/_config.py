@@ -29,6 +29,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> PipelineConf
     settings: dict[str, Any] = {
         "mode": "inproc" if get("inproc", False) else "processes",
         "threads": get("threads"),
+        "stage_threads": get("stage_threads"),
         "wire_dtype": get("wire_dtype", "f32"),
         "transport": get("transport", "tcp"),
         "transports": get("transports"),

@@ -32,7 +32,24 @@ def _transport_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def _thread_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"thread counts {text!r} must look like 2,1,1")
+    return counts
+
+
 def _plugin_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stage-threads",
+        type=_thread_counts,
+        default=None,
+        metavar="N,N,...",
+        help="compute threads per stage instead of --threads, stage 0 first, e.g. 2,1,1",
+    )
     p.add_argument(
         "--transport",
         default="tcp",

@@ -51,6 +51,9 @@ class PipelineConfig:
             split says what stage 0 holds, and nothing is started here).
         host: the address stages started here listen on.
         threads: compute (BLAS) threads per stage.
+        stage_threads: one thread count per stage instead, stage 0 first (a stage with a
+            heavier layer range, or a host with more cores, gets more); entries of stages
+            joined from elsewhere are ignored (they set their own).
         wire_dtype: activation dtype on the wire (f32, f16 or q8).
         capacity: lanes in the pool (concurrent requests served without connecting more).
         prefill_chunk: how prompts are cut into prefill chunks: ``"adaptive"`` (default: a
@@ -83,6 +86,7 @@ class PipelineConfig:
     remote: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none)
     host: str = "127.0.0.1"
     threads: int | None = None
+    stage_threads: tuple[int, ...] | None = attrs.field(default=None, converter=_tuple_or_none)
     wire_dtype: ActivationDType = "f32"
     capacity: int = 1
     prefill_chunk: int | str | ChunkPolicy = DEFAULT_PREFILL_CHUNK
@@ -184,6 +188,12 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
     backends = list(config.backends or [config.backend] * len(ranges))
     for name in backends:
         plugins.backend(name)  # an unknown or broken plugin fails here, before anything starts
+    threads: list[int | None] = list(config.stage_threads or [config.threads] * len(ranges))
+    if len(threads) != len(ranges) or not all(t is None or t >= 1 for t in threads):
+        raise ValueError(
+            f"{len(ranges)} stages need {len(ranges)} thread counts of at least 1, got "
+            f"{', '.join(map(str, threads))}"
+        )
     devices = [config.device if plugins.takes_device(name) else None for name in backends]
     if config.device is not None and not any(devices):
         raise ValueError(
@@ -196,7 +206,7 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
                 index=i,
                 layers=ranges[i],
                 backend=backends[i],
-                threads=config.threads,
+                threads=threads[i],
                 device=devices[i],
                 listen=None if i == 0 or remote is not None else listen[i - 1],
                 remote=None if i == 0 or remote is None else remote[i - 1],
