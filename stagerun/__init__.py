@@ -21,18 +21,18 @@ layers below it (tests/test_layers.py checks this on the import graph):
 from . import _blas  # noqa: F401  (must run before numpy loads OpenBLAS)
 from ._driver._config import PipelineConfig as PipelineConfig
 from ._driver._config import PipelinePlan as PipelinePlan
+from ._driver._config import RecoveryPolicy as RecoveryPolicy
+from ._driver._config import SpeculationConfig as SpeculationConfig
 from ._driver._config import StagePlan as StagePlan
+from ._driver._config import SupervisionPolicy as SupervisionPolicy
 from ._driver._config import plan as plan
 from ._driver._config import split_layers as split_layers
 from ._driver._lanes import Lane as Lane
 from ._driver._lanes import LanePool as LanePool
 from ._driver._launch import open_pipeline as open_pipeline
 from ._driver._pipeline import Pipeline as Pipeline
-from ._driver._speculative import SpeculationConfig as SpeculationConfig
-from ._driver._supervise import SupervisionPolicy as SupervisionPolicy
 from ._driver._values import Completion as Completion
 from ._driver._values import GenerationStream as GenerationStream
-from ._driver._values import RecoveryPolicy as RecoveryPolicy
 from ._driver._values import StageHealth as StageHealth
 from ._driver._values import StageInfo as StageInfo
 from ._driver._values import TokenChunk as TokenChunk

@@ -290,7 +290,7 @@ async def test_pipeline_failures_map_to_502_504_or_a_final_sse_error(
 
 
 async def test_speculative_pipelines_report_their_timings(tiny: Path) -> None:
-    from stagerun._driver._speculative import SpeculationConfig
+    from stagerun import SpeculationConfig
 
     async with (
         open_pipeline(tiny, stages=3, speculation=SpeculationConfig("ngram", depth=4)) as pipeline,

@@ -13,6 +13,7 @@ import trio
 
 from stagerun import (
     SamplingParams,
+    SpeculationConfig,
     StageServer,
     _decide,
     open_pipeline,
@@ -20,7 +21,6 @@ from stagerun import (
     telemetry,
 )
 from stagerun._decide._pace import DepthControl, PaceCheck
-from stagerun._driver._speculative import SpeculationConfig
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import OracleDrafter
 from stagerun.testing import write_tiny_model

@@ -17,8 +17,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stagerun import StageError
-from stagerun._driver._supervise import StageProcess, SupervisionPolicy
+from stagerun import StageError, SupervisionPolicy
+from stagerun._driver._supervise import StageProcess
 
 ADDRESS = "tcp://127.0.0.1:9001"  # what the fake child reports; nothing connects to it
 

@@ -8,7 +8,7 @@ import argparse
 import math
 from typing import Any
 
-from .._driver._speculative import SpeculationConfig
+from .._driver._config import SpeculationConfig
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
 from ._bench_options import _request_selector as _request_selector  # re-exported (tests use it)
 from ._bench_options import add_bench_parsers
@@ -99,8 +99,7 @@ def _reliability_options(p: argparse.ArgumentParser) -> None:
 
 def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
     """(RecoveryPolicy, SupervisionPolicy) for ``--recovery-timeout`` and ``--no-restart``."""
-    from .._driver._supervise import SupervisionPolicy
-    from .._driver._values import RecoveryPolicy
+    from .._driver._config import RecoveryPolicy, SupervisionPolicy
 
     timeout = getattr(args, "recovery_timeout", None)
     if timeout is None:

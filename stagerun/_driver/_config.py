@@ -1,5 +1,8 @@
 """One value for everything a pipeline is asked to be, and the pure plan made from it.
 
+Every setting type lives here: `PipelineConfig` and the three it holds, `SpeculationConfig`,
+`RecoveryPolicy` and `SupervisionPolicy`.
+
 `PipelineConfig` holds every setting of `stagerun.open_pipeline` (its topology, plugins, device,
 threads, link emulation, capacity, prefill, speculation, recovery, supervision, timeouts); the
 command line builds one from its arguments in one place (`stagerun._cli._config`), and
@@ -13,21 +16,132 @@ command-line flag and mapping in `stagerun._cli`, and its docs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
 
-from .. import plugins
+from .. import _decide, plugins
 from .._decide._prefill import ChunkPolicy
 from .._proto import ActivationDType
 from .._wire._framed import LinkEmulation
-from ._pipeline import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CREDIT
-from ._speculative import SpeculationConfig
-from ._supervise import SupervisionPolicy
-from ._values import RecoveryPolicy
 
 Mode = Literal["inproc", "processes"]
+DEFAULT_PREFILL_CHUNK = "adaptive"
+DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowledged
+
+
+@attrs.frozen
+class SpeculationConfig:
+    """How a pipeline speculates.
+
+    Attributes:
+        drafter: ``off``, or a drafter plugin: ``ngram`` (prompt lookup), ``draft-model``, or
+            an installed plugin's name.
+        depth: verify windows kept in flight per request (1 = serial).
+        window: draft tokens per window at most.
+        adaptive: let the window width follow acceptance, and stop drafting for a request
+            whose acceptance is too low to pay for the windows.
+        draft_model: the GGUF (name or path) for ``draft-model``.
+    """
+
+    drafter: str = "off"
+    depth: int = 4
+    window: int = 4
+    adaptive: bool = True
+    draft_model: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.drafter != "off" and self.drafter not in plugins.names("drafters"):
+            choices = ", ".join(["off", *plugins.names("drafters")])
+            raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {choices}")
+        if not 1 <= self.depth <= _decide.MAX_VERIFY_WINDOW_DEPTH:
+            raise ValueError(
+                f"depth must be within 1..{_decide.MAX_VERIFY_WINDOW_DEPTH}, got {self.depth}"
+            )
+        if not 1 <= self.window <= 32:
+            raise ValueError(f"window must be within 1..32 draft tokens, got {self.window}")
+        if self.drafter == "draft-model" and not self.draft_model:
+            raise ValueError("the draft-model drafter needs a draft model (--draft-model)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.drafter != "off"
+
+
+@attrs.frozen
+class RecoveryPolicy:
+    """How a request survives a lane that breaks under it (see docs/reliability.md).
+
+    When a lane fails mid-request (a stage killed, a connection reset, a reply timeout), stage
+    0 waits ``backoff`` seconds (doubling up to ``max_backoff``), checks out a fresh lane --
+    which reaches the restarted stage -- and replays the committed tokens (prompt plus
+    everything already generated) as a prefill to rebuild every KV cache; decoding then goes
+    on where it stopped, and the caller sees one uninterrupted stream. Sampling depends only
+    on the seed and the position, so the continuation is the one the request would have had.
+
+    Args:
+        max_breaks: lane failures one request survives; the next one fails it.
+        timeout: seconds one recovery may take (waiting for the stage included) before the
+            request fails with `RecoveryFailedError`. Default
+            ``$STAGERUN_RECOVERY_TIMEOUT_SECS`` or 60.
+        backoff: first wait between attempts, in seconds.
+        max_backoff: the longest wait between attempts.
+    """
+
+    max_breaks: int = 3
+    timeout: float = attrs.field(
+        factory=lambda: float(os.environ.get("STAGERUN_RECOVERY_TIMEOUT_SECS", "60"))
+    )
+    backoff: float = 0.1
+    max_backoff: float = 0.5
+
+    @classmethod
+    def disabled(cls) -> RecoveryPolicy:
+        """Fail a request at its first lane failure."""
+        return cls(max_breaks=0)
+
+
+@attrs.frozen
+class SupervisionPolicy:
+    """How `open_pipeline` looks after the stage processes it starts.
+
+    Args:
+        restart: start a stage again when its process exits.
+        backoff: first wait before a restart, in seconds; doubles up to ``max_backoff``.
+        stable_after: a process that ran this long resets the backoff.
+        probe_interval: seconds between liveness probes (0 turns probing off).
+        probe_timeout: a probe's handshake deadline.
+        probe_failures: failed probes in a row before a live process is killed.
+        ready_timeout: seconds a (re)started process has to print its ready line.
+    """
+
+    restart: bool = True
+    backoff: float = 0.2
+    max_backoff: float = 10.0
+    stable_after: float = 30.0
+    probe_interval: float = 2.0
+    probe_timeout: float = 5.0
+    probe_failures: int = 3
+    ready_timeout: float = 120.0
+
+    def restart_delay(self, previous: float | None, uptime: float) -> float:
+        """Seconds to wait before restarting a process that exited after ``uptime`` seconds.
+
+        Args:
+            previous: the wait before the previous restart; None if this is the first one.
+            uptime: how long the process that just exited served: from its ready line to its
+                exit (0 when it never got ready, so a start that hangs until it is killed
+                never counts as a stable run).
+
+        Returns:
+            ``backoff`` for the first restart and after a run longer than ``stable_after``;
+            otherwise twice ``previous``, at most ``max_backoff``.
+        """
+        if previous is None or uptime > self.stable_after:
+            return self.backoff
+        return min(previous * 2, self.max_backoff)
 
 
 def _tuple_or_none(value: Sequence[Any] | None) -> tuple[Any, ...] | None:

@@ -22,10 +22,10 @@ from .._stage._server import serve_stage
 from .._util import single_exceptions
 from .._wire._framed import LinkEmulation
 from ..model import ModelFile, open_model
-from ._config import PipelineConfig, PipelinePlan, plan
+from ._config import PipelineConfig, PipelinePlan, SupervisionPolicy, plan
 from ._lanes import LanePool
 from ._pipeline import Pipeline
-from ._supervise import StageProcess, SupervisionPolicy, stage_command
+from ._supervise import StageProcess, stage_command
 from ._values import StageInfo
 
 

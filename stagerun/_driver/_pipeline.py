@@ -38,23 +38,19 @@ from .._util import single_exceptions
 from .._wire._connect import alternatives, open_connection
 from ..abc import ComputeBackend, Drafter
 from ..model import ModelFile
+from ._config import DEFAULT_PREFILL_CREDIT, RecoveryPolicy, SpeculationConfig
 from ._lanes import LanePool
 from ._prefill import PrefillReport
 from ._request import Request
-from ._speculative import SpeculationConfig
 from ._values import (
     AddressHealth,
     Completion,
     DrafterContext,
     GenerationStream,
-    RecoveryPolicy,
     StageHealth,
     StageInfo,
     TokenChunk,
 )
-
-DEFAULT_PREFILL_CHUNK = "adaptive"
-DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowledged
 
 log = logging.getLogger("stagerun.pipeline")
 

@@ -32,10 +32,11 @@ from .._errors import LaneError, RecoveryFailedError, StageError
 from .._text import TextAssembler
 from ..abc import Drafter
 from ..model import ModelFile
+from ._config import RecoveryPolicy, SpeculationConfig
 from ._lanes import Lane, LanePool
 from ._prefill import PrefillReport, send_prefill
-from ._speculative import SpeculationConfig, decode_speculative
-from ._values import Completion, RecoveryPolicy, StageInfo, TokenChunk
+from ._speculative import decode_speculative
+from ._values import Completion, StageInfo, TokenChunk
 
 log = logging.getLogger("stagerun.pipeline")
 

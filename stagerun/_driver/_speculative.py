@@ -25,10 +25,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import attrs
 import trio
 
-from .. import _decide, _proto, plugins, telemetry
+from .. import _decide, _proto, telemetry
 from .._decide import (
     Commit,
     Finish,
@@ -49,46 +48,8 @@ from .._decide._sampling import sample_rows
 from .._errors import LaneError, StageError
 from .._util import one_failure, single_exceptions
 from ..abc import Drafter
+from ._config import SpeculationConfig
 from ._lanes import Lane
-
-
-@attrs.frozen
-class SpeculationConfig:
-    """How a pipeline speculates.
-
-    Attributes:
-        drafter: ``off``, or a drafter plugin: ``ngram`` (prompt lookup), ``draft-model``, or
-            an installed plugin's name.
-        depth: verify windows kept in flight per request (1 = serial).
-        window: draft tokens per window at most.
-        adaptive: let the window width follow acceptance, and stop drafting for a request
-            whose acceptance is too low to pay for the windows.
-        draft_model: the GGUF (name or path) for ``draft-model``.
-    """
-
-    drafter: str = "off"
-    depth: int = 4
-    window: int = 4
-    adaptive: bool = True
-    draft_model: str | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if self.drafter != "off" and self.drafter not in plugins.names("drafters"):
-            choices = ", ".join(["off", *plugins.names("drafters")])
-            raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {choices}")
-        if not 1 <= self.depth <= _decide.MAX_VERIFY_WINDOW_DEPTH:
-            raise ValueError(
-                f"depth must be within 1..{_decide.MAX_VERIFY_WINDOW_DEPTH}, got {self.depth}"
-            )
-        if not 1 <= self.window <= 32:
-            raise ValueError(f"window must be within 1..32 draft tokens, got {self.window}")
-        if self.drafter == "draft-model" and not self.draft_model:
-            raise ValueError("the draft-model drafter needs a draft model (--draft-model)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.drafter != "off"
-
 
 _Reply = _proto.Predictions | _proto.Cancelled
 

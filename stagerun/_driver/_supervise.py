@@ -35,6 +35,7 @@ import trio
 from .. import _proto
 from .._errors import LaneError, StageError
 from .._wire._connect import open_connection
+from ._config import SupervisionPolicy
 
 log = logging.getLogger("stagerun.supervise")
 
@@ -57,47 +58,6 @@ async def read_ready_line(proc: trio.Process, index: int) -> str:
     if not line.startswith("READY "):
         raise StageError(f"stage {index} printed {line!r} instead of its ready line")
     return line.split(" ", 1)[1].strip()
-
-
-@attrs.frozen
-class SupervisionPolicy:
-    """How `open_pipeline` looks after the stage processes it starts.
-
-    Args:
-        restart: start a stage again when its process exits.
-        backoff: first wait before a restart, in seconds; doubles up to ``max_backoff``.
-        stable_after: a process that ran this long resets the backoff.
-        probe_interval: seconds between liveness probes (0 turns probing off).
-        probe_timeout: a probe's handshake deadline.
-        probe_failures: failed probes in a row before a live process is killed.
-        ready_timeout: seconds a (re)started process has to print its ready line.
-    """
-
-    restart: bool = True
-    backoff: float = 0.2
-    max_backoff: float = 10.0
-    stable_after: float = 30.0
-    probe_interval: float = 2.0
-    probe_timeout: float = 5.0
-    probe_failures: int = 3
-    ready_timeout: float = 120.0
-
-    def restart_delay(self, previous: float | None, uptime: float) -> float:
-        """Seconds to wait before restarting a process that exited after ``uptime`` seconds.
-
-        Args:
-            previous: the wait before the previous restart; None if this is the first one.
-            uptime: how long the process that just exited served: from its ready line to its
-                exit (0 when it never got ready, so a start that hangs until it is killed
-                never counts as a stable run).
-
-        Returns:
-            ``backoff`` for the first restart and after a run longer than ``stable_after``;
-            otherwise twice ``previous``, at most ``max_backoff``.
-        """
-        if previous is None or uptime > self.stable_after:
-            return self.backoff
-        return min(previous * 2, self.max_backoff)
 
 
 class Child(Protocol):

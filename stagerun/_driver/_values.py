@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import attrs
@@ -15,44 +14,10 @@ __all__ = [
     "Completion",
     "DrafterContext",
     "GenerationStream",
-    "RecoveryPolicy",
     "StageHealth",
     "StageInfo",
     "TokenChunk",
 ]
-
-
-@attrs.frozen
-class RecoveryPolicy:
-    """How a request survives a lane that breaks under it (see docs/reliability.md).
-
-    When a lane fails mid-request (a stage killed, a connection reset, a reply timeout), stage
-    0 waits ``backoff`` seconds (doubling up to ``max_backoff``), checks out a fresh lane --
-    which reaches the restarted stage -- and replays the committed tokens (prompt plus
-    everything already generated) as a prefill to rebuild every KV cache; decoding then goes
-    on where it stopped, and the caller sees one uninterrupted stream. Sampling depends only
-    on the seed and the position, so the continuation is the one the request would have had.
-
-    Args:
-        max_breaks: lane failures one request survives; the next one fails it.
-        timeout: seconds one recovery may take (waiting for the stage included) before the
-            request fails with `RecoveryFailedError`. Default
-            ``$STAGERUN_RECOVERY_TIMEOUT_SECS`` or 60.
-        backoff: first wait between attempts, in seconds.
-        max_backoff: the longest wait between attempts.
-    """
-
-    max_breaks: int = 3
-    timeout: float = attrs.field(
-        factory=lambda: float(os.environ.get("STAGERUN_RECOVERY_TIMEOUT_SECS", "60"))
-    )
-    backoff: float = 0.1
-    max_backoff: float = 0.5
-
-    @classmethod
-    def disabled(cls) -> RecoveryPolicy:
-        """Fail a request at its first lane failure."""
-        return cls(max_breaks=0)
 
 
 @attrs.frozen

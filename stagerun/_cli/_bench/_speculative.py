@@ -15,8 +15,8 @@ from ..._proto import SamplingParams
 from ._common import bench_pipeline, say
 
 if TYPE_CHECKING:
+    from ..._driver._config import SpeculationConfig
     from ..._driver._pipeline import Pipeline
-    from ..._driver._speculative import SpeculationConfig
     from .._report import Timeline
 
 SPECULATIVE_PROMPTS = {
@@ -89,7 +89,7 @@ async def bench_speculative(args: argparse.Namespace) -> int:
 
 async def _speculative_at(args: argparse.Namespace, hop_delay_ms: float) -> dict[str, Any]:
     """The comparison at one hop delay: every configuration on every prompt, in rounds."""
-    from ..._driver._speculative import SpeculationConfig
+    from ..._driver._config import SpeculationConfig
 
     mode: Mode = "inproc" if args.inproc else "processes"
     # One compute thread per stage unless told otherwise: stages here share the machine's
@@ -279,7 +279,7 @@ async def _trace_one_request(args: argparse.Namespace) -> Timeline:
     import tempfile
 
     from ... import telemetry
-    from ..._driver._speculative import SpeculationConfig
+    from ..._driver._config import SpeculationConfig
     from .._report import load_trace, request_timeline
 
     mode = "inproc" if args.inproc else "processes"
