@@ -10,7 +10,7 @@ every stage). Tokens are committed one by one (`Request.commit`): text assembly 
 strings happens there, so a recovery never emits a token twice. `Request.completion` turns
 the finished request into a `Completion` with its timings and summary spans.
 
-With one stage there is no lane: stage 0 computes the logits and samples them itself.
+With one stage the lane is a `LocalLane`: stage 0 computes the logits and it samples them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..abc import Drafter
 from ..model import ModelFile
 from ._config import RecoveryPolicy, SpeculationConfig
 from ._lanes import Lane, LanePool
+from ._local import LocalLane
 from ._prefill import PrefillReport, send_prefill
 from ._speculative import decode_speculative
 from ._values import Completion, StageInfo, TokenChunk
@@ -152,7 +153,7 @@ class Request:
         """Generate to the end, recovering from lane failures; return the `Completion`."""
         pool = self.pipeline.pool
         if pool is None:
-            return await self.completion(await self.decode(None))
+            return await self.completion(await self.decode(LocalLane(self.sampling)))
         attempt = _Attempt()
         while True:
             try:
@@ -193,7 +194,7 @@ class Request:
             window_id=window_id,
         )
 
-    async def decode(self, lane: Lane | None) -> bool:
+    async def decode(self, lane: Lane | LocalLane) -> bool:
         """Prefill the committed tokens, then decode; True if EOG ended generation.
 
         A first call prefills the prompt; after a recovery the prompt and every token
@@ -229,9 +230,9 @@ class Request:
             return reason == "eog"
         return await self.decode_plain(lane, first, len(context))
 
-    async def first_token(self, lane: Lane | None, context: list[int]) -> int:
+    async def first_token(self, lane: Lane | LocalLane, context: list[int]) -> int:
         """Prefill ``context`` and return the token that follows it."""
-        if lane is None:
+        if isinstance(lane, LocalLane):  # one compute of the whole prompt, as the model alone
             logits = await self.pipeline._compute0(
                 self.cache, 0, context, request_id=self.request_id
             )
@@ -259,7 +260,7 @@ class Request:
         reply = await lane.receive_predictions(self.request_id)
         return int(reply.tokens[-1])
 
-    async def decode_plain(self, lane: Lane | None, token: int, position: int) -> bool:
+    async def decode_plain(self, lane: Lane | LocalLane, token: int, position: int) -> bool:
         """One token per round trip from ``token`` at ``position``; True if EOG ended it."""
         tel = telemetry.current()
         while True:
@@ -284,13 +285,11 @@ class Request:
             if await self.commit(token) or len(self.generated) >= self.max_tokens:
                 return False
 
-    async def decode_step(self, lane: Lane | None, token: int, position: int) -> int:
+    async def decode_step(self, lane: Lane | LocalLane, token: int, position: int) -> int:
         """One plain decode step: feed ``token`` at ``position``, return the next token."""
         out = await self.pipeline._compute0(
             self.cache, position, [token], request_id=self.request_id
         )
-        if lane is None:
-            return sample_token(out[-1], self.sampling, position + 1)
         await lane.send(
             _proto.Decode(request_id=self.request_id, position=position, tokens=(token,)),
             out,

@@ -14,7 +14,7 @@ and every stage's are trimmed by the authoritative position each ``Verify`` carr
 Committed tokens are always the target's own predictions, sampled on the last stage from a
 random stream keyed by (seed, position), so the output equals plain decoding.
 
-With one stage there is no lane: windows are verified locally, one at a time.
+With one stage the lane is a `LocalLane`: each window is answered as it is sent.
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ from .._decide._pace import (
     DepthControl,
     PaceCheck,
 )
-from .._decide._sampling import sample_rows
 from .._errors import LaneError, StageError
 from .._util import one_failure, single_exceptions
 from ..abc import Drafter
 from ._config import SpeculationConfig
 from ._lanes import Lane
+from ._local import LocalLane
 
 _Reply = _proto.Predictions | _proto.Cancelled
 
@@ -91,7 +91,7 @@ def _window_spans(
 
 async def decode_speculative(
     *,
-    lane: Lane | None,
+    lane: Lane | LocalLane,
     request_id: int,
     history: list[int],
     prompt_len: int,
@@ -135,13 +135,13 @@ class SpeculativeDecode:
     `run` keeps up to the allowed depth of live windows in flight (`fill`), reads every reply
     the moment it arrives (`_read_replies`), hands it to the controller (`_on_reply`) and
     carries out what comes back (`apply`): windows to send, tokens to commit, stale windows
-    to cancel. With no lane (one stage) windows are verified here, one at a time.
+    to cancel. On one stage the lane is a `LocalLane`, which answers each window as it is sent.
     """
 
     def __init__(
         self,
         *,
-        lane: Lane | None,
+        lane: Lane | LocalLane,
         request_id: int,
         history: list[int],
         prompt_len: int,
@@ -176,14 +176,13 @@ class SpeculativeDecode:
             now_ms=0.0,
         )
         self.depth = DepthControl(config.depth, adaptive=config.adaptive)
-        if lane is not None:
+        if isinstance(lane, Lane):  # predictions come back on a return path stage 0 opened
             self.controller.scheduler.mark_direct_prediction_return(upstream_opened=True)
         drafter.begin(history[:prompt_len])
         drafter.commit(history[prompt_len:])
         self.drafting = True
         self.pace = PaceCheck()
         self._generated_at_start = self.controller.generated_count
-        self._local_replies: deque[_proto.Predictions] = deque()
         self._tel = telemetry.current()
         self._opened_ns: dict[int, tuple[int, int]] = {}  # window id -> (opened at, inputs)
 
@@ -201,22 +200,18 @@ class SpeculativeDecode:
         # The reader and the sender often see one broken lane at once: that is one lane failure.
         with single_exceptions(), one_failure((LaneError, StageError)):
             async with trio.open_nursery() as nursery:
-                replies: trio.MemoryReceiveChannel[_Reply] | None = None
-                if self.lane is not None:
-                    send_channel, replies = trio.open_memory_channel[_Reply](math.inf)
-                    nursery.start_soon(self._read_replies, self.lane, send_channel)
+                send_channel, replies = trio.open_memory_channel[_Reply](math.inf)
+                nursery.start_soon(self._read_replies, self.lane, send_channel)
                 await self.fill()
                 while not self.controller.drained:
-                    if replies is None:
-                        reply: _Reply = self._local_replies.popleft()
-                    else:
-                        reply = await replies.receive()
-                    await self._on_reply(reply)
+                    await self._on_reply(await replies.receive())
                     await self.fill()
                 nursery.cancel_scope.cancel()  # the reader waits for a reply that will not come
 
     async def _read_replies(
-        self, lane: Lane, channel: trio.MemorySendChannel[_proto.Predictions | _proto.Cancelled]
+        self,
+        lane: Lane | LocalLane,
+        channel: trio.MemorySendChannel[_proto.Predictions | _proto.Cancelled],
     ) -> None:
         # Replies are read the moment they arrive, also while stage 0 drafts and computes the
         # next window: a reply read late would be committed late (and an emulated link, which
@@ -312,19 +307,9 @@ class SpeculativeDecode:
         if self._tel.enabled:
             self._opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
         inputs = list(window.inputs)
-        if self.lane is None:
-            logits = await self.compute0(window.base_position, inputs, "all", window.id)
-            tokens = sample_rows(logits, self.sampling, window.base_position + 1)
-            self._local_replies.append(
-                _proto.Predictions(
-                    request_id=self.request_id,
-                    window_id=window.id,
-                    position=window.base_position,
-                    tokens=tokens,
-                )
-            )
-            return
-        hidden = await self.compute0(window.base_position, inputs, "last", window.id)
+        # Stage 0's own rows: logits on a one-stage pipeline (the local lane samples them),
+        # hidden states otherwise ("all" only matters on a last stage).
+        out = await self.compute0(window.base_position, inputs, "all", window.id)
         await self.lane.send(
             _proto.Verify(
                 request_id=self.request_id,
@@ -333,12 +318,12 @@ class SpeculativeDecode:
                 position=window.base_position,
                 tokens=tuple(inputs),
             ),
-            hidden,
+            out,
             self.wire_dtype,
         )
 
     async def cancel(self, epoch: int, window_ids: tuple[int, ...]) -> None:
-        if window_ids and self.lane is not None:
+        if window_ids:
             await self.lane.send(
                 _proto.Cancel(request_id=self.request_id, epoch=epoch, window_ids=window_ids)
             )
