@@ -36,7 +36,7 @@ from ._config import RecoveryPolicy, SpeculationConfig
 from ._lanes import Lane, LanePool
 from ._local import LocalLane
 from ._prefill import PrefillReport, send_prefill
-from ._speculative import decode_speculative
+from ._speculative import SpeculativeDecode
 from ._values import Completion, StageInfo, TokenChunk
 
 log = logging.getLogger("stagerun.pipeline")
@@ -141,6 +141,10 @@ class Request:
         self._decoder = pipeline.model.tokenizer.stream_decoder()
         self._assembler = TextAssembler(stop)
 
+    @property
+    def wire_dtype(self) -> _proto.ActivationDType:
+        return self.pipeline.wire_dtype
+
     def __repr__(self) -> str:
         return (
             f"<Request id={self.request_id} prompt={len(self.prompt_ids)} "
@@ -212,20 +216,7 @@ class Request:
         if await self.commit(first) or len(self.generated) >= self.max_tokens:
             return False
         if self.drafter is not None:
-            spec_timings, reason = await decode_speculative(
-                lane=lane,
-                request_id=self.request_id,
-                history=[*context, first],
-                prompt_len=len(self.prompt_ids),
-                max_tokens=self.max_tokens,
-                eog=self.eog,
-                sampling=self.sampling,
-                config=self.speculation,
-                drafter=self.drafter,
-                compute0=self.compute,
-                wire_dtype=self.pipeline.wire_dtype,
-                on_commit=self.commit,
-            )
+            spec_timings, reason = await SpeculativeDecode(self, lane, [*context, first]).run()
             self.extra.update(spec_timings)  # after a recovery: the last stretch's figures
             return reason == "eog"
         return await self.decode_plain(lane, first, len(context))

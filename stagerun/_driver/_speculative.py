@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import trio
 
@@ -89,44 +89,27 @@ def _window_spans(
         )
 
 
-async def decode_speculative(
-    *,
-    lane: Lane | LocalLane,
-    request_id: int,
-    history: list[int],
-    prompt_len: int,
-    max_tokens: int,
-    eog: frozenset[int],
-    sampling: _proto.SamplingParams,
-    config: SpeculationConfig,
-    drafter: Drafter,
-    compute0: Callable[..., Awaitable[Any]],
-    wire_dtype: _proto.ActivationDType,
-    on_commit: Callable[[int], Awaitable[bool]],
-) -> tuple[dict[str, Any], str | None]:
-    """Decode after prefill; ``history`` is the prompt plus the first generated token.
+class Speculating(Protocol):
+    """What speculative decoding uses of its request (`stagerun._driver._request.Request`)."""
 
-    ``on_commit(token)`` emits one committed token and returns True when generation must end
-    (a stop string); the first generated token (the last of ``history``) was already
-    emitted. Returns the speculative timing keys for the response and why generation ended
-    (``eog``, ``length`` or ``stop``).
-    """
-    decode = SpeculativeDecode(
-        lane=lane,
-        request_id=request_id,
-        history=history,
-        prompt_len=prompt_len,
-        max_tokens=max_tokens,
-        eog=eog,
-        sampling=sampling,
-        config=config,
-        drafter=drafter,
-        compute0=compute0,
-        wire_dtype=wire_dtype,
-        on_commit=on_commit,
-    )
-    await decode.run()
-    return decode.timings(), decode.controller.finish_reason
+    request_id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    eog: frozenset[int]
+    sampling: _proto.SamplingParams
+    speculation: SpeculationConfig
+    drafter: Drafter | None
+
+    @property
+    def wire_dtype(self) -> _proto.ActivationDType: ...
+
+    async def compute(
+        self, position: int, tokens: Sequence[int], logits: str, window_id: int | None = None
+    ) -> Any:
+        """Stage 0's own layers for ``tokens`` at ``position``."""
+
+    async def commit(self, token: int) -> bool:
+        """Emit one committed token; True when generation must end (a stop string)."""
 
 
 class SpeculativeDecode:
@@ -138,37 +121,25 @@ class SpeculativeDecode:
     to cancel. On one stage the lane is a `LocalLane`, which answers each window as it is sent.
     """
 
-    def __init__(
-        self,
-        *,
-        lane: Lane | LocalLane,
-        request_id: int,
-        history: list[int],
-        prompt_len: int,
-        max_tokens: int,
-        eog: frozenset[int],
-        sampling: _proto.SamplingParams,
-        config: SpeculationConfig,
-        drafter: Drafter,
-        compute0: Callable[..., Awaitable[Any]],
-        wire_dtype: _proto.ActivationDType,
-        on_commit: Callable[[int], Awaitable[bool]],
-    ) -> None:
+    def __init__(self, request: Speculating, lane: Lane | LocalLane, history: list[int]) -> None:
+        """Decode after prefill; ``history`` is the prompt plus the first generated token,
+        which was already committed."""
+        config = request.speculation
+        assert request.drafter is not None
+        drafter = request.drafter
+        prompt_len = len(request.prompt_ids)
         self.lane = lane
-        self.request_id = request_id
-        self.eog = eog
-        self.sampling = sampling
+        self.request = request
+        self.request_id = request.request_id
+        self.eog = request.eog
         self.config = config
         self.drafter = drafter
-        self.compute0 = compute0
-        self.wire_dtype = wire_dtype
-        self.on_commit = on_commit
         self._started = time.perf_counter()
         self.controller = SpeculationController(
             history,
             prompt_len=prompt_len,
-            max_tokens=max_tokens,
-            eog=eog,
+            max_tokens=request.max_tokens,
+            eog=request.eog,
             depth=config.depth,
             width=config.window,
             adaptive=config.adaptive,
@@ -195,8 +166,9 @@ class SpeculativeDecode:
     def now_ms(self) -> float:
         return (time.perf_counter() - self._started) * 1000.0
 
-    async def run(self) -> None:
-        """Decode until the controller is drained."""
+    async def run(self) -> tuple[dict[str, Any], str | None]:
+        """Decode until the controller is drained; return the speculative timing keys for the
+        response and why generation ended (``eog``, ``length`` or ``stop``)."""
         # The reader and the sender often see one broken lane at once: that is one lane failure.
         with single_exceptions(), one_failure((LaneError, StageError)):
             async with trio.open_nursery() as nursery:
@@ -207,6 +179,7 @@ class SpeculativeDecode:
                     await self._on_reply(await replies.receive())
                     await self.fill()
                 nursery.cancel_scope.cancel()  # the reader waits for a reply that will not come
+        return self.timings(), self.controller.finish_reason
 
     async def _read_replies(
         self,
@@ -293,7 +266,7 @@ class SpeculativeDecode:
                     for token in tokens:
                         if token in self.eog:
                             break  # the controller finishes right after this commit
-                        if await self.on_commit(token):
+                        if await self.request.commit(token):
                             queue.extend(self.controller.finish("stop"))
                             break
                 case NewEpoch(stale_epoch=epoch, cancel_window_ids=ids):
@@ -309,7 +282,7 @@ class SpeculativeDecode:
         inputs = list(window.inputs)
         # Stage 0's own rows: logits on a one-stage pipeline (the local lane samples them),
         # hidden states otherwise ("all" only matters on a last stage).
-        out = await self.compute0(window.base_position, inputs, "all", window.id)
+        out = await self.request.compute(window.base_position, inputs, "all", window.id)
         await self.lane.send(
             _proto.Verify(
                 request_id=self.request_id,
@@ -319,7 +292,7 @@ class SpeculativeDecode:
                 tokens=tuple(inputs),
             ),
             out,
-            self.wire_dtype,
+            self.request.wire_dtype,
         )
 
     async def cancel(self, epoch: int, window_ids: tuple[int, ...]) -> None:
