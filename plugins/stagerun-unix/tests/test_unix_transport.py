@@ -10,8 +10,7 @@ import pytest
 import trio
 from stagerun_unix import UnixTransport, parse_unix_address
 
-from stagerun import open_pipeline, plugins
-from stagerun import LaneHandshakeError
+from stagerun import LaneHandshakeError, open_pipeline, plugins
 from stagerun.testing import check_transport, write_tiny_model
 
 
