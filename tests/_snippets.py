@@ -195,10 +195,11 @@ class Session:
     background: list[tuple[Command, subprocess.Popen[bytes], pathlib.Path]] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
-        venv = pathlib.Path(sys.prefix)
-        link = self.folder / ".venv"
-        if not link.exists():
-            link.symlink_to(venv, target_is_directory=True)
+        # Relative paths the docs use: the virtual environment and the built llama.cpp.
+        for name, target in ((".venv", pathlib.Path(sys.prefix)), (".cache", ROOT / ".cache")):
+            link = self.folder / name
+            if not link.exists():
+                link.symlink_to(target, target_is_directory=True)
 
     @property
     def env(self) -> dict[str, str]:

@@ -26,11 +26,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import pytest
 from _snippets import (
-    ROOT,
     SHELLS,
     Command,
     Session,
@@ -98,8 +97,8 @@ REAL_MODEL = {
 EXPECTED_ERRORS = {("docs/api.md", "curl -s $U/v1/chat/completions -d")}
 
 
-def _matches(table: object, command: Command) -> list[tuple[str, str]]:
-    assert isinstance(table, dict | set)
+def _matches(table: Iterable[tuple[str, str]], command: Command) -> list[tuple[str, str]]:
+    """The keys of ``table`` (document, how a command starts) that name ``command``."""
     return [key for key in table if key[0] == command.document and command.head.startswith(key[1])]
 
 
@@ -264,7 +263,6 @@ def test_shell_snippet_runs(
     real = bool(_matches(REAL_MODEL, commands[0]))
     # a short folder: a unix socket's path has to fit in 108 bytes
     with tempfile.TemporaryDirectory(prefix="stagerun-doc-") as folder:
-        (pathlib.Path(folder) / ".cache").symlink_to(ROOT / ".cache", target_is_directory=True)
         session = Session(pathlib.Path(folder), *session_models, served=served, real_model=real)
         session.plan_ports(commands, own_server=own_server)
         try:

@@ -235,6 +235,7 @@ class Request:
             )
 
         pipeline = self.pipeline
+        assert pipeline.pool is not None  # a real lane comes from the pool
         report = await send_prefill(
             lane,
             self.request_id,
@@ -243,7 +244,7 @@ class Request:
             policy=pipeline.prefill_policy,
             credit=pipeline.prefill_credit,
             wire_dtype=pipeline.wire_dtype,
-            estimate=pipeline.pool.prefill_transport if pipeline.pool is not None else None,
+            estimate=pipeline.pool.prefill_transport,
             configure_owed=True,  # `run` sent Configure just before, without waiting
         )
         pipeline.last_prefill = report

@@ -184,7 +184,7 @@ class SpeculativeDecode:
     async def _read_replies(
         self,
         lane: Lane | LocalLane,
-        channel: trio.MemorySendChannel[_proto.Predictions | _proto.Cancelled],
+        channel: trio.MemorySendChannel[_Reply],
     ) -> None:
         # Replies are read the moment they arrive, also while stage 0 drafts and computes the
         # next window: a reply read late would be committed late (and an emulated link, which
