@@ -22,8 +22,10 @@ import abc
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
+import attrs
 import trio
 
+from ._errors import ComputeCancelled
 from ._wire._address import parse_address
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ __all__ = [
     "ConnectionHandler",
     "Drafter",
     "DrafterOptions",
+    "ForwardItem",
     "KVCache",
     "Transport",
 ]
@@ -120,6 +123,28 @@ class KVCache(Protocol):
         """Forget positions at and after ``position`` (no-op past the end)."""
 
 
+@attrs.frozen(eq=False)
+class ForwardItem:
+    """One session's part of a batched forward (`ComputeBackend.forward_batch`).
+
+    The fields are `ComputeBackend.forward`'s arguments, for one cache: T new positions
+    ``position..position+T-1`` from ``tokens`` (first stage) or ``hidden`` (``[T, d_model]``).
+    """
+
+    cache: Any
+    position: int
+    tokens: npt.ArrayLike | Sequence[int] | None = None
+    hidden: npt.ArrayLike | None = None
+    logits: Literal["last", "all"] = "last"
+    should_stop: Callable[[], bool] | None = None
+
+    @property
+    def rows(self) -> int:
+        """How many positions the item computes."""
+        source = self.tokens if self.tokens is not None else self.hidden
+        return len(source) if source is not None else 0  # type: ignore[arg-type]
+
+
 class ComputeBackend(abc.ABC):
     """Runs one stage's contiguous layer range of a model: plain blocking code, no Trio.
 
@@ -174,6 +199,24 @@ class ComputeBackend(abc.ABC):
         `stagerun.ComputeCancelled`.
         """
 
+    def forward_batch(
+        self, items: Sequence[ForwardItem]
+    ) -> list[np.ndarray[Any, Any] | ComputeCancelled]:
+        """Run several sessions' forwards as one: a result per item, in order.
+
+        Each item is one `forward` on its own cache (no two items share a cache). A backend
+        that batches stacks the items' rows for the projections and the MLP and runs the
+        attention per item against its cache; the result of an item must not depend on
+        the other items (stagerun promises a request the same output alone or in a batch,
+        and `stagerun.testing.check_backend` checks it). An item whose ``should_stop``
+        returned True is left at its ``position`` and its result is the
+        `stagerun.ComputeCancelled` (the others go on). Any other error fails the whole call.
+
+        The default runs the items one after another through `forward`: correct for every
+        backend, with no speed-up.
+        """
+        return forward_each(self, items)
+
 
 class DrafterOptions(Protocol):
     """What a drafter may be built from (see `Drafter.create`)."""
@@ -217,3 +260,58 @@ class Drafter(abc.ABC):
     @abc.abstractmethod
     def propose(self, context: Sequence[int], max_tokens: int) -> Sequence[int]:
         """Up to ``max_tokens`` guesses for the tokens that follow ``context``."""
+
+
+def forward_each(
+    backend: Any, items: Sequence[ForwardItem]
+) -> list[np.ndarray[Any, Any] | ComputeCancelled]:
+    """The items of a batched forward run one after another through ``backend.forward``."""
+    results: list[np.ndarray[Any, Any] | ComputeCancelled] = []
+    for item in items:
+        try:
+            results.append(
+                backend.forward(
+                    item.cache,
+                    item.position,
+                    tokens=item.tokens,
+                    hidden=item.hidden,
+                    logits=item.logits,
+                    should_stop=item.should_stop,
+                )
+            )
+        except ComputeCancelled as exc:
+            results.append(exc)
+    return results
+
+
+def run_batch(
+    backend: Any, items: Sequence[ForwardItem]
+) -> list[np.ndarray[Any, Any] | ComputeCancelled]:
+    """``backend.forward_batch(items)`` where it has its own, else `forward_each`.
+
+    A backend's ``forward_batch`` is used only if its class defines it at least as far down
+    as ``forward``: a subclass that overrides ``forward`` alone (to wrap or alter it) keeps
+    its ``forward`` called, and so does a wrapper that passes attributes on through
+    ``__getattr__``, or a plugin written before batched forwards existed.
+    """
+    if not _batches(type(backend)):
+        return forward_each(backend, items)
+    results: list[np.ndarray[Any, Any] | ComputeCancelled] = backend.forward_batch(items)
+    if len(results) != len(items):
+        raise RuntimeError(
+            f"{type(backend).__name__}.forward_batch returned {len(results)} results "
+            f"for {len(items)} items"
+        )
+    return results
+
+
+def _batches(cls: type) -> bool:
+    """Whether ``cls``'s own ``forward_batch`` is meant for its ``forward``."""
+    owner = {
+        name: next((c for c in cls.__mro__ if name in vars(c)), None)
+        for name in ("forward", "forward_batch")
+    }
+    batch, forward = owner["forward_batch"], owner["forward"]
+    if batch is None or forward is None or batch is ComputeBackend:
+        return False
+    return issubclass(batch, forward)

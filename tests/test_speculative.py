@@ -21,6 +21,7 @@ from stagerun import (
     telemetry,
 )
 from stagerun._decide._pace import DepthControl, PaceCheck
+from stagerun.abc import ForwardItem
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import OracleDrafter
 from stagerun.testing import write_tiny_model
@@ -142,17 +143,22 @@ class LayerDelayBackend:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def forward(self, cache: Any, position: int, **kw: Any) -> Any:
-        should_stop = kw.get("should_stop")
-
+    def _slowed(self, should_stop: Any) -> Any:
         def poll() -> bool:
             if should_stop is not None and should_stop():
                 return True
             time.sleep(self.per_layer_s)  # the layer about to run
             return False
 
-        kw["should_stop"] = poll
+        return poll
+
+    def forward(self, cache: Any, position: int, **kw: Any) -> Any:
+        kw["should_stop"] = self._slowed(kw.get("should_stop"))
         return self.inner.forward(cache, position, **kw)
+
+    def forward_batch(self, items: list[ForwardItem]) -> Any:
+        slowed = [attrs.evolve(it, should_stop=self._slowed(it.should_stop)) for it in items]
+        return self.inner.forward_batch(slowed)
 
 
 async def start_slow_stages(

@@ -11,7 +11,7 @@ prediction comes straight back from the last stage. On success the pool ends the
 whether the request resumes on a new lane by replaying its committed tokens. With a drafter,
 decoding goes through pipelined verify windows instead (`stagerun._driver._speculative`).
 Each request is a `stagerun._driver._request.Request`; `Pipeline` holds what requests share
-(the model, stage 0's backend and compute lock, the pool, the settings, the counters).
+(the model, stage 0's backend and its tick scheduler, the pool, the settings, the counters).
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from .._decide._prefill import (
     parse_chunk_policy,
 )
 from .._errors import LaneError
+from .._stage._scheduler import TickScheduler
 from .._util import single_exceptions
 from .._wire._connect import alternatives, open_connection
-from ..abc import ComputeBackend, Drafter
+from ..abc import ComputeBackend, Drafter, ForwardItem
 from ..model import ModelFile
 from ._config import DEFAULT_PREFILL_CREDIT, RecoveryPolicy, SpeculationConfig
 from ._lanes import LanePool
@@ -70,6 +71,7 @@ class Pipeline:
         prefill_credit: int = DEFAULT_PREFILL_CREDIT,
         speculation: SpeculationConfig | None = None,
         recovery: RecoveryPolicy | None = None,
+        max_batch: int | None = None,
     ) -> None:
         self.model = model
         self.recovery = recovery or RecoveryPolicy()
@@ -91,7 +93,7 @@ class Pipeline:
         self.prefill_credit = prefill_credit
         self.last_prefill: PrefillReport | None = None
         self._backend0 = backend0
-        self._compute_lock = trio.Lock()
+        self.scheduler = TickScheduler(backend0, max_items=max_batch)
         self._shared_drafters: dict[tuple[str, str | None], Drafter] = {}
 
     def __repr__(self) -> str:
@@ -253,14 +255,12 @@ class Pipeline:
         *,
         request_id: int | None = None,
         window_id: int | None = None,
+        prefill: bool = False,
     ) -> np.ndarray[Any, Any]:
         ids = np.asarray(tokens, dtype=np.int64)
-        backend = self._backend0
-        async with self._compute_lock:
-            started = telemetry.now_ns()
-            out = await trio.to_thread.run_sync(
-                lambda: backend.forward(cache, position, tokens=ids, logits=logits)
-            )
+        started = telemetry.now_ns()
+        item = ForwardItem(cache, position, tokens=ids, logits=logits)
+        out = await self.scheduler.forward(item, prefill=prefill)
         tel = telemetry.current()
         if tel.debug_enabled and request_id is not None:
             attributes: dict[str, Any] = {

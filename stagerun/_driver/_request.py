@@ -81,6 +81,7 @@ class StageZero(Protocol):
         *,
         request_id: int | None = None,
         window_id: int | None = None,
+        prefill: bool = False,
     ) -> np.ndarray[Any, Any]: ...
 
 
@@ -225,13 +226,18 @@ class Request:
         """Prefill ``context`` and return the token that follows it."""
         if isinstance(lane, LocalLane):  # one compute of the whole prompt, as the model alone
             logits = await self.pipeline._compute0(
-                self.cache, 0, context, request_id=self.request_id
+                self.cache, 0, context, request_id=self.request_id, prefill=True
             )
             return sample_token(logits[-1], self.sampling, len(context))
 
         async def compute(position: int, tokens: Sequence[int]) -> np.ndarray[Any, Any]:
             return await self.pipeline._compute0(
-                self.cache, position, tokens, logits="all", request_id=self.request_id
+                self.cache,
+                position,
+                tokens,
+                logits="all",
+                request_id=self.request_id,
+                prefill=True,
             )
 
         pipeline = self.pipeline

@@ -1,7 +1,7 @@
 """What a lane worker may see of its stage: a small protocol instead of the whole server.
 
 `stagerun._stage._server.StageServer` implements it. A worker reads the stage's settings,
-borrows its backend through `compute` (one compute at a time per stage), takes parked return
+computes through `forward` (the stage's tick scheduler batches every lane's forwards), takes parked return
 connections, and adds to the stage's counters; it never reaches the server's listeners,
 handshake or other workers.
 """
@@ -12,9 +12,11 @@ import collections
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
+
 from .._proto import ActivationDType
 from .._wire._framed import FrameStream, LinkEmulation
-from ..abc import ComputeBackend
+from ..abc import ComputeBackend, ForwardItem
 
 
 class StageContext(Protocol):
@@ -35,6 +37,12 @@ class StageContext(Protocol):
         """The parked return connection for ``key`` (the last stage binds it at Configure)."""
         ...
 
-    async def compute(self, fn: Callable[[], Any]) -> Any:
-        """Run blocking backend work in a thread, one at a time on this stage."""
+    async def forward(
+        self,
+        item: ForwardItem,
+        *,
+        prefill: bool = False,
+        stale: Callable[[], bool] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """Compute one session's forward in the stage's next tick that takes it."""
         ...

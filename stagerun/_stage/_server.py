@@ -4,8 +4,10 @@ Theory of operation: every accepted connection is one task under the server's nu
 connection opens with the handshake; its role says what it is:
 
 * ``LANE``: one hop of a chain, carried out in order by a `stagerun._stage._worker.LaneWorker`:
-  compute through the backend (in a worker thread, one compute at a time per stage), then
-  forward downstream or, on the last stage, sample and reply over the return connection.
+  compute through the backend, then forward downstream or, on the last stage, sample and
+  reply over the return connection. The forwards of every lane go through one
+  `stagerun._stage._scheduler.TickScheduler`: one batched forward at a time per stage, over
+  whatever every lane has ready.
 * ``RETURN``: stage 0's return connection for one chain, parked under its key until a
   ``Configure`` with that key binds it (last stage only).
 
@@ -20,11 +22,14 @@ import collections
 import functools
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import trio
 
 from .. import _proto, plugins
+from .._decide._ticks import DEFAULT_TICK_ROWS
 from .._errors import LaneError, LaneHandshakeError, StageError
 from .._wire._address import parse_address
 from .._wire._auth import SECRET_FILE_ENV, is_loopback, lane_secret
@@ -36,7 +41,8 @@ from .._wire._framed import (
     LinkEmulation,
     server_handshake,
 )
-from ..abc import ComputeBackend
+from ..abc import ComputeBackend, ForwardItem
+from ._scheduler import TickScheduler
 from ._worker import LaneWorker
 
 log = logging.getLogger("stagerun.stage")
@@ -55,6 +61,8 @@ class StageServer:
         wire_dtype: activation dtype used when forwarding downstream.
         handshake_timeout: seconds a connecting peer has to send its hello (and, with a lane
             secret, its nonce and proof); a peer that stalls is dropped after that.
+        max_batch: sessions one tick computes together at most (1: no batching).
+        tick_rows: rows one tick computes at most (a larger forward runs alone).
     """
 
     def __init__(
@@ -67,6 +75,8 @@ class StageServer:
         link: LinkEmulation = NO_EMULATION,
         secret: bytes | EnvSecret | None = ENV_SECRET,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        max_batch: int | None = None,
+        tick_rows: int = DEFAULT_TICK_ROWS,
     ) -> None:
         if not (0 < handshake_timeout < math.inf):
             raise ValueError(
@@ -92,7 +102,7 @@ class StageServer:
         self.reply_timeout = stage_reply_timeout()
         self.refused = 0  # connections turned down in the handshake
         self.protocol_errors = 0  # lanes closed for a malformed frame
-        self._compute_lock = trio.Lock()
+        self.scheduler = TickScheduler(backend, max_rows=tick_rows, max_items=max_batch)
         self._sinks: dict[int, FrameStream] = {}
         self._sink_parked = trio.Condition()
         self.lanes_open = 0
@@ -202,11 +212,16 @@ class StageServer:
                 return self._sinks[key]
         raise StageError(f"stage {self.index} has no return connection for this lane")
 
-    async def compute(self, fn: Any) -> Any:
-        """Run blocking backend work in a thread, one at a time on this stage."""
-        async with self._compute_lock:
-            self.computes += 1
-            return await trio.to_thread.run_sync(fn)
+    async def forward(
+        self,
+        item: ForwardItem,
+        *,
+        prefill: bool = False,
+        stale: Callable[[], bool] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """Compute one session's forward in this stage's next tick (see `TickScheduler`)."""
+        self.computes += 1
+        return await self.scheduler.forward(item, prefill=prefill, stale=stale)
 
 
 def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
@@ -236,12 +251,13 @@ async def serve_stage(
     wire_dtype: _proto.ActivationDType = "f32",
     link: LinkEmulation = NO_EMULATION,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    max_batch: int | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one stage on ``listen`` until cancelled.
 
     ``await nursery.start(serve_stage, ...)`` gives the address it really listens on.
-    ``handshake_timeout`` is `StageServer`'s.
+    ``handshake_timeout`` and ``max_batch`` are `StageServer`'s.
     """
     server = StageServer(
         backend,
@@ -250,5 +266,6 @@ async def serve_stage(
         wire_dtype=wire_dtype,
         link=link,
         handshake_timeout=handshake_timeout,
+        max_batch=max_batch,
     )
     await server.serve(listen, task_status=task_status)

@@ -2,16 +2,15 @@
 
 A `Session` is what a ``Configure`` opens on a stage and a ``Stop`` ends: the backend's cache
 for the request, its sampling settings, and the counts its summary span reports (`summarize`).
-`run_layers` is the blocking part of a forward pass (the stage runs it in a worker thread, one
-compute at a time); a `StopCheck` is how a ``Cancel`` read meanwhile stops a verify window's
-compute at a layer boundary. The lane around them is `stagerun._stage._worker.LaneWorker`'s.
+`check_finite` refuses a forward's output that overflowed; a `StopCheck` is how a ``Cancel``
+read meanwhile stops a verify window's compute at a layer boundary. The lane around them is `stagerun._stage._worker.LaneWorker`'s.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import numpy as np
@@ -24,10 +23,10 @@ from ._context import StageContext
 __all__ = [
     "Session",
     "StopCheck",
+    "check_finite",
     "compute_attributes",
     "compute_stats",
     "count_stopped",
-    "run_layers",
     "summarize",
     "us_since",
 ]
@@ -69,6 +68,10 @@ class StopCheck:
         self._cancelled = cancelled
         self.layers_done = 0
 
+    def cancelled(self) -> bool:
+        """Whether a ``Cancel`` has named the window (asked before its tick: not counted)."""
+        return self._cancelled()
+
     def __call__(self) -> bool:
         if self._cancelled():
             return True
@@ -76,36 +79,14 @@ class StopCheck:
         return False
 
 
-def run_layers(
-    backend: ComputeBackend,
-    cache: Any,
-    position: int,
-    tokens: np.ndarray[Any, Any],
-    activations: np.ndarray[Any, Any] | None,
-    rows: Literal["all", "last"],
-    stop: StopCheck | None,
-) -> np.ndarray[Any, Any]:
-    """The blocking forward pass through ``backend``'s layers; refuses values that are not finite.
-
-    The first stage computes from ``tokens``, every other from the upstream's ``activations``.
-    """
-    # Overflow and NaN are refused below, as one plain error, not warned about.
-    with np.errstate(all="ignore"):
-        out = backend.forward(
-            cache,
-            position,
-            tokens=tokens if backend.is_first else None,
-            hidden=None if backend.is_first else activations,
-            logits=rows,
-            should_stop=stop,
-        )
+def check_finite(backend: ComputeBackend, out: np.ndarray[Any, Any]) -> None:
+    """Refuse a forward's output that is not finite, as one plain error."""
     if not np.isfinite(out).all():
         lo, hi = backend.layers
         raise ValueError(
             f"layers {lo}..{hi - 1} computed values that are not finite (NaN or "
             "infinity) from these activations."
         )
-    return out
 
 
 def compute_stats(

@@ -42,15 +42,16 @@ from .._errors import (
 )
 from .._wire._connect import open_connection
 from .._wire._framed import FrameStream, LinkEmulation
+from ..abc import ForwardItem
 from ..telemetry import Telemetry, now_ns
 from ._context import StageContext
 from ._session import (
     Session,
     StopCheck,
+    check_finite,
     compute_attributes,
     compute_stats,
     count_stopped,
-    run_layers,
     summarize,
     us_since,
 )
@@ -367,19 +368,24 @@ class LaneWorker:
         (counted), or a compute that failed (reported to stage 0).
         """
         backend = self.server.backend
-        tokens = np.asarray(message.tokens, dtype=np.int64)
         rows: Literal["all", "last"] = "all" if isinstance(message, _proto.Verify) else "last"
         stop: StopCheck | None = None
         if isinstance(message, _proto.Verify):
             stop = StopCheck(lambda: self._current_cancelled)
             self._current, self._current_cancelled = message, False
+        if backend.is_first:
+            item = ForwardItem(session.cache, message.position, tokens=message.tokens)
+        else:
+            item = ForwardItem(session.cache, message.position, hidden=activations)
+        item = attrs.evolve(item, logits=rows, should_stop=stop)
         start = time.perf_counter()
         try:
-            out = await self.server.compute(
-                lambda: run_layers(
-                    backend, session.cache, message.position, tokens, activations, rows, stop
-                )
+            out = await self.server.forward(
+                item,
+                prefill=isinstance(message, _proto.Prefill),
+                stale=None if stop is None else stop.cancelled,
             )
+            check_finite(backend, out)
         except ComputeCancelled:
             assert stop is not None, "only a verify window's compute is ever stopped"
             count_stopped(self.server, message, stop.layers_done, us_since(start))

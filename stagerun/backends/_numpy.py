@@ -28,6 +28,7 @@ and restored on exit, which costs about 8 us a call.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -37,6 +38,7 @@ import numpy.typing as npt
 from threadpoolctl import ThreadpoolController
 
 from .._errors import ComputeCancelled
+from ..abc import ForwardItem
 from ..model import LayerWeights, ModelFile, fuse_layer
 from ._inputs import check_positions, stage_input
 from ._layers import GgufLayers
@@ -46,6 +48,8 @@ __all__ = ["KVCache", "NumpyBackend"]
 F32 = npt.NDArray[np.float32]
 _CHUNK = 256  # first KV allocation, in tokens; later growth doubles
 _PANEL = 64  # columns per weight panel
+# M*N*K up to which OpenBLAS's sgemm uses its small-matrix kernel (x86-64 SkylakeX and later)
+_SMALL_GEMM = 1_000_000
 _controller: ThreadpoolController | None = None
 
 
@@ -113,7 +117,7 @@ class _Panels:
     zero columns up to a multiple of the panel width.
     """
 
-    __slots__ = ("data", "n_out")
+    __slots__ = ("data", "n_out", "row_block")
 
     def __init__(self, w: F32) -> None:
         n_in, n_out = w.shape
@@ -124,20 +128,41 @@ class _Panels:
             padded.reshape(n_in, panels, _PANEL).transpose(1, 0, 2)
         )
         self.n_out = n_out
+        self.row_block = _row_block(n_in)
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.data.shape[1], self.n_out)
 
 
+def _row_block(n_in: int) -> int:
+    """Rows per gemm call for ``n_in`` inputs: each call stays in the small-matrix kernel."""
+    return max(2, _SMALL_GEMM // (_PANEL * n_in))
+
+
 def _matmul(x: F32, w: _Panels) -> F32:
-    """``x @ W`` for ``x`` of shape ``[T, in]``: ``[T, out]``."""
-    n = x.shape[0]
-    if n == 1:  # as two rows: the batched gemv path is slower than a 2-row gemm
-        x = np.concatenate([x, np.zeros_like(x)])
-    y = np.matmul(x, w.data)  # [P, T, PANEL]
-    out: F32 = y.transpose(1, 0, 2).reshape(x.shape[0], -1)
-    return out[:n, : w.n_out]
+    """``x @ W`` for ``x`` of shape ``[T, in]``: ``[T, out]``, each row independent of the others.
+
+    Rows go through in blocks of at most ``w.row_block``: every gemm call is then small
+    enough for OpenBLAS's small-matrix kernel, whose rows come out bitwise the same whatever
+    the other rows of the call and the row's place among them (a larger call switches to
+    the blocked kernel, which sums in another order). One row goes as two: the batched gemv
+    path is slower than a 2-row gemm.
+    """
+    n, block = x.shape[0], w.row_block
+    if n <= block:
+        y = np.matmul(x if n > 1 else np.concatenate([x, np.zeros_like(x)]), w.data)
+        whole: F32 = y.transpose(1, 0, 2).reshape(y.shape[1], -1)
+        return whole[:n, : w.n_out]
+    out: F32 = np.empty((n, w.data.shape[0] * _PANEL), np.float32)
+    for start in range(0, n, block):
+        piece = x[start : start + block]
+        rows = piece.shape[0]
+        if rows == 1:
+            piece = np.concatenate([piece, np.zeros_like(piece)])
+        y = np.matmul(piece, w.data)  # [P, rows, PANEL]
+        out[start : start + rows] = y.transpose(1, 0, 2).reshape(piece.shape[0], -1)[:rows]
+    return out[:, : w.n_out]
 
 
 def _panels(w: F32) -> _Panels:
@@ -209,7 +234,8 @@ class NumpyBackend(GgufLayers):
         The first stage takes ``tokens`` (T ids), the others ``hidden`` (``[T, d_model]``, cast
         to float32 and never modified). A cache longer than ``position`` is trimmed first; a
         shorter one is a gap (ValueError). ``logits`` only matters on the last stage.
-        ``should_stop`` is called before every layer (and so between layers).
+        ``should_stop`` is called before every layer (and so between layers). This is
+        `forward_batch` of one item: a session computes the same alone as in a batch.
 
         Returns:
             float32 hidden states ``[T, d_model]`` on a non-last stage; on the last stage, logits
@@ -220,25 +246,59 @@ class NumpyBackend(GgufLayers):
             ComputeCancelled: ``should_stop()`` returned True at a layer boundary; the cache is
                 then back at ``position``.
         """
-        if logits not in ("last", "all"):
-            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}.")
-        h = self._input(tokens, hidden)
-        n = h.shape[0]
-        self._check_position(cache, position, n)
-        cache.trim(position)
-        cache._reserve(position + n)
+        item = ForwardItem(cache, position, tokens, hidden, logits, should_stop)
+        (result,) = self.forward_batch([item])
+        if isinstance(result, ComputeCancelled):
+            raise result
+        return result
+
+    def forward_batch(self, items: Sequence[ForwardItem]) -> list[F32 | ComputeCancelled]:
+        """Several sessions in one pass: rows stacked for the matrices, attention per session.
+
+        Every matrix product runs in row blocks of a fixed bound (`_matmul`), so a row's
+        result never depends on the rows beside it: each item's result is bitwise what it
+        would be alone. An item whose ``should_stop`` says so leaves the batch at that layer
+        boundary (its cache back at its position); the others go on.
+        """
+        if not items:
+            return []
+        if len({id(item.cache) for item in items}) != len(items):
+            raise ValueError("two items of one batched forward share a KV cache.")
+        batch = _Batch([self._start(item) for item in items], items)
         with _blas_limit(self.threads), np.errstate(over="ignore"):
             for i, layer in enumerate(self._layers):
-                if should_stop is not None and should_stop():
-                    raise ComputeCancelled(
-                        f"compute at position {position} stopped before layer {self._lo + i}."
-                    )
-                self._block(layer, i, cache, position, h)
-            cache.length = position + n
-            if self._head is None:
-                return h
-            rows = h if logits == "all" else h[-1:]
-            return _matmul(self._norm(rows), self._head)
+                batch.poll(self._lo + i, (self._cos, self._sin))
+                if not batch.live:
+                    break
+                self._block(layer, i, batch)
+            return self._finish(batch)
+
+    def _start(self, item: ForwardItem) -> F32:
+        """An item's input rows, its cache checked, trimmed to its position and made room in."""
+        if item.logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', not {item.logits!r}.")
+        h = self._input(item.tokens, item.hidden)
+        cache = item.cache
+        self._check_position(cache, item.position, h.shape[0])
+        cache.trim(item.position)
+        cache._reserve(item.position + h.shape[0])
+        return h
+
+    def _finish(self, batch: _Batch) -> list[F32 | ComputeCancelled]:
+        """Each live item's output: its hidden rows, or on the last stage its logits."""
+        picked: list[F32] = []
+        for k, item in enumerate(batch.items):
+            if batch.cancelled[k] is not None:
+                continue
+            item.cache.length = item.position + batch.sizes[k]
+            rows = batch.rows_of(k)
+            picked.append(rows if self._head is None or item.logits == "all" else rows[-1:])
+        if self._head is not None and picked:
+            heads = _matmul(self._norm(np.concatenate(picked)), self._head)
+            bounds = np.cumsum([0] + [p.shape[0] for p in picked])
+            picked = [heads[a:b] for a, b in itertools.pairwise(bounds)]
+        live = iter(picked)
+        return [r if r is not None else next(live).copy() for r in batch.cancelled]
 
     def _input(self, tokens: object, hidden: object) -> F32:
         rows = stage_input(
@@ -271,21 +331,40 @@ class NumpyBackend(GgufLayers):
         out: F32 = h / r[:, None]
         return out
 
-    def _block(self, layer: _Layer, i: int, cache: KVCache, pos: int, h: F32) -> None:
+    def _block(self, layer: _Layer, i: int, batch: _Batch) -> None:
         c = self.config
-        n, hd, n_kv = h.shape[0], c.head_dim, c.n_kv_heads
-        group = c.n_heads // n_kv
-        qkv = _matmul(self._norm(h), layer.w_qkv)  # [T, (n_heads + 2 n_kv) hd]
-        nqk = c.n_heads + n_kv
-        end = pos + n
-        qk = qkv[:, : nqk * hd].reshape(n, nqk, 2, hd // 2)
-        rot = qk[:, :, ::-1] * self._sin[pos:end, None]
-        qk *= self._cos[pos:end, None]
+        h, hd = batch.h, c.head_dim
+        qkv = _matmul(self._norm(h), layer.w_qkv)  # [R, (n_heads + 2 n_kv) hd]
+        nqk = c.n_heads + c.n_kv_heads
+        qk = qkv[:, : nqk * hd].reshape(h.shape[0], nqk, 2, hd // 2)
+        rot = qk[:, :, ::-1] * batch.sin
+        qk *= batch.cos
         qk += rot
-        k = qkv[:, c.n_heads * hd : nqk * hd].reshape(n, n_kv, hd)
-        v = qkv[:, nqk * hd :].reshape(n, n_kv, hd)
-        cache._k[i, :, pos:end] = k.transpose(1, 0, 2)
-        cache._v[i, :, pos:end] = v.transpose(1, 0, 2)
+        attn: F32 = np.empty((h.shape[0], c.n_heads * hd), np.float32)
+        for k, (a, b) in batch.spans():
+            attn[a:b] = self._attend(i, batch.items[k], qkv[a:b])
+        h += _matmul(attn, layer.w_o)
+        gu = _matmul(self._norm(h), layer.w_gu)  # [R, 2 d_ff]
+        g, u = gu[:, : c.d_ff], gu[:, c.d_ff :]
+        act: F32 = np.negative(g)
+        np.exp(act, out=act)
+        act += np.float32(1.0)
+        np.divide(g, act, out=act)
+        act *= u
+        h += _matmul(act, layer.w_down)
+
+    def _attend(self, i: int, item: ForwardItem, qkv: F32) -> F32:
+        """One session's attention in layer ``i``: its new K/V cached, its rows' outputs."""
+        c = self.config
+        cache: KVCache = item.cache
+        n, hd, n_kv = qkv.shape[0], c.head_dim, c.n_kv_heads
+        group, nqk = c.n_heads // n_kv, c.n_heads + n_kv
+        pos = item.position
+        end = pos + n
+        cache._k[i, :, pos:end] = (
+            qkv[:, c.n_heads * hd : nqk * hd].reshape(n, n_kv, hd).transpose(1, 0, 2)
+        )
+        cache._v[i, :, pos:end] = qkv[:, nqk * hd :].reshape(n, n_kv, hd).transpose(1, 0, 2)
         q = qkv[:, : c.n_heads * hd].reshape(n, n_kv, group, hd)
         q = q.transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)  # type: ignore[assignment]
         s: F32 = q @ cache._k[i, :, :end].transpose(0, 2, 1)  # [n_kv, group*T, L]
@@ -297,13 +376,69 @@ class NumpyBackend(GgufLayers):
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
         o = (s @ cache._v[i, :, :end]).reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3)
-        attn: F32 = o.reshape(n, c.n_heads * hd)
-        h += _matmul(attn, layer.w_o)
-        gu = _matmul(self._norm(h), layer.w_gu)  # [T, 2 d_ff]
-        g, u = gu[:, : c.d_ff], gu[:, c.d_ff :]
-        act: F32 = np.negative(g)
-        np.exp(act, out=act)
-        act += np.float32(1.0)
-        np.divide(g, act, out=act)
-        act *= u
-        h += _matmul(act, layer.w_down)
+        out: F32 = o.reshape(n, c.n_heads * hd)
+        return out
+
+
+class _Batch:
+    """The sessions of one batched forward: their stacked rows, and which are still live.
+
+    ``h`` holds the live items' rows one item after another; ``cos``/``sin`` the RoPE
+    tables at those rows' positions (shaped to broadcast over ``[R, heads, 2, hd/2]``).
+    """
+
+    def __init__(self, inputs: list[F32], items: Sequence[ForwardItem]) -> None:
+        self.items = items
+        self.sizes = [x.shape[0] for x in inputs]
+        self.cancelled: list[ComputeCancelled | None] = [None] * len(items)
+        self.h: F32 = np.concatenate(inputs) if len(inputs) > 1 else inputs[0]
+        self._live = list(range(len(items)))
+        self._positions = np.concatenate(
+            [
+                np.arange(it.position, it.position + n)
+                for it, n in zip(items, self.sizes, strict=True)
+            ]
+        )
+        self.cos: F32 = np.empty(0, np.float32)
+        self.sin: F32 = np.empty(0, np.float32)
+
+    @property
+    def live(self) -> bool:
+        return bool(self._live)
+
+    def tables(self, cos: F32, sin: F32) -> None:
+        """Gather the RoPE tables at the live rows' positions."""
+        self.cos = cos[self._positions][:, None]
+        self.sin = sin[self._positions][:, None]
+
+    def spans(self) -> list[tuple[int, tuple[int, int]]]:
+        """``(item, (first row, end row))`` of each live item in ``h``."""
+        spans, row = [], 0
+        for k in self._live:
+            spans.append((k, (row, row + self.sizes[k])))
+            row += self.sizes[k]
+        return spans
+
+    def rows_of(self, k: int) -> F32:
+        """Live item ``k``'s rows in ``h``."""
+        return next(self.h[a:b] for j, (a, b) in self.spans() if j == k)
+
+    def poll(self, layer: int, tables: tuple[F32, F32]) -> None:
+        """Ask each live item whether to stop before ``layer``; drop the ones that say so."""
+        stopping = {
+            k for k in self._live if (stop := self.items[k].should_stop) is not None and stop()
+        }
+        if stopping:
+            keep = np.ones(self.h.shape[0], bool)
+            for k, (a, b) in self.spans():
+                if k in stopping:
+                    keep[a:b] = False
+                    item = self.items[k]
+                    item.cache.trim(item.position)
+                    self.cancelled[k] = ComputeCancelled(
+                        f"compute at position {item.position} stopped before layer {layer}."
+                    )
+            self._live = [k for k in self._live if k not in stopping]
+            self.h, self._positions = self.h[keep], self._positions[keep]
+        if stopping or not self.cos.size:
+            self.tables(*tables)

@@ -1,0 +1,170 @@
+"""A stage's compute, one tick at a time, over the ready work of every session.
+
+Theory of operation: each session's task (a lane worker on a stage server, a request on
+stage 0) hands its next forward to `TickScheduler.forward` and waits. A tick is one batched
+forward through the backend (`stagerun.abc.ComputeBackend.forward_batch`) in a worker thread;
+whatever arrives while a tick runs waits for the next one, which starts the moment this one
+ends (continuous batching: no tick ever waits for more work). `stagerun._decide._ticks`
+decides which waiting forwards a tick takes.
+
+There is no scheduler task: the first waiting task that finds no tick running runs the next
+tick for everybody, then wakes the others; one whose forward is done returns, another runs the
+tick after. A tick is never abandoned half-way: the thread finishes, and its results are
+delivered, even if the task running it is cancelled meanwhile (that task then raises).
+
+A verify window named by a ``Cancel`` before its tick starts is dropped unseen; one cancelled
+during its tick stops at the next layer boundary (its ``should_stop``) while the rest of the
+batch goes on. When a batched forward fails (a session sent activations of the wrong width,
+say), its items are run again one by one, so only the faulty one fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import trio
+
+from .._decide._ticks import DEFAULT_TICK_ROWS, Waiting, choose_tick
+from .._errors import ComputeCancelled
+from ..abc import ForwardItem, run_batch
+
+__all__ = ["TickScheduler"]
+
+
+class _Job:
+    __slots__ = ("item", "outcome", "prefill", "stale")
+
+    def __init__(self, item: ForwardItem, prefill: bool, stale: Callable[[], bool] | None) -> None:
+        self.item, self.prefill, self.stale = item, prefill, stale
+        self.outcome: np.ndarray[Any, Any] | BaseException | None = None
+
+
+class TickScheduler:
+    """Runs the forwards of every session on one backend, batched tick by tick.
+
+    Args:
+        backend: the stage's compute backend.
+        max_rows: rows one tick computes at most (a larger forward runs alone).
+        max_items: sessions one tick takes at most (1 turns batching off: one forward a tick).
+    """
+
+    def __init__(
+        self, backend: Any, *, max_rows: int = DEFAULT_TICK_ROWS, max_items: int | None = None
+    ) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        if max_items is not None and max_items < 1:
+            raise ValueError(f"max_items must be at least 1, got {max_items}")
+        self.backend = backend
+        self.max_rows = max_rows
+        self.max_items = max_items
+        self._waiting: list[_Job] = []
+        self._running: trio.Event | None = None
+        self.ticks = 0
+        self.items = 0  # forwards computed (a stale one dropped before its tick is not)
+        self.rows = 0
+        self.busy_seconds = 0.0  # time in ticks' threads
+        self.batch_sizes: collections.Counter[int] = collections.Counter()  # items per tick
+        self.started = time.perf_counter()
+
+    def __repr__(self) -> str:
+        return (
+            f"<TickScheduler ticks={self.ticks} items={self.items} rows={self.rows} "
+            f"waiting={len(self._waiting)} busy={self.busy_fraction():.2f}>"
+        )
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def busy_fraction(self) -> float:
+        """The share of the time since start that ticks were computing."""
+        elapsed = time.perf_counter() - self.started
+        return min(1.0, self.busy_seconds / elapsed) if elapsed > 0 else 0.0
+
+    async def forward(
+        self,
+        item: ForwardItem,
+        *,
+        prefill: bool = False,
+        stale: Callable[[], bool] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """Compute ``item`` in the next tick that takes it; its output.
+
+        ``stale()`` True when the tick starts drops the item unseen (`ComputeCancelled`).
+
+        Raises:
+            ComputeCancelled: the item was dropped before its tick or stopped in it.
+        """
+        job = _Job(item, prefill, stale)
+        self._waiting.append(job)
+        try:
+            while job.outcome is None:
+                if self._running is None:
+                    await self._tick()
+                else:
+                    await self._running.wait()
+        finally:
+            if job.outcome is None and job in self._waiting:
+                self._waiting.remove(job)  # cancelled while it waited
+        if isinstance(job.outcome, BaseException):
+            raise job.outcome
+        return job.outcome
+
+    async def _tick(self) -> None:
+        done = self._running = trio.Event()
+        try:
+            await trio.lowlevel.checkpoint()  # work that is ready now joins this tick
+            jobs = self._take()
+            if jobs:
+                await trio.to_thread.run_sync(self._compute, jobs)
+        finally:
+            self._running = None
+            done.set()
+
+    def _take(self) -> list[_Job]:
+        """Remove this tick's jobs from the line; stale ones are answered at once."""
+        for job in [j for j in self._waiting if j.stale is not None and j.stale()]:
+            job.outcome = ComputeCancelled("dropped before its compute started")
+            self._waiting.remove(job)
+        line = [Waiting(j.item.rows, j.prefill, id(j.item.cache)) for j in self._waiting]
+        chosen = choose_tick(line, self.max_rows)[: self.max_items]
+        jobs = [self._waiting[i] for i in chosen]
+        taken = set(chosen)
+        self._waiting = [j for i, j in enumerate(self._waiting) if i not in taken]
+        return jobs
+
+    def _compute(self, jobs: list[_Job]) -> None:
+        """One tick, in the worker thread: every job gets its outcome."""
+        start = time.perf_counter()
+        items = [job.item for job in jobs]
+        try:
+            with np.errstate(all="ignore"):  # what is not finite is refused by the caller
+                try:
+                    outcomes: list[Any] = run_batch(self.backend, items)
+                except Exception:
+                    if len(items) == 1:
+                        raise
+                    outcomes = [_alone(self.backend, item) for item in items]
+        except Exception as exc:
+            outcomes = [exc]
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            job.outcome = outcome
+        self.busy_seconds += time.perf_counter() - start
+        self.ticks += 1
+        self.items += len(jobs)
+        self.rows += sum(item.rows for item in items)
+        self.batch_sizes[len(jobs)] += 1
+
+
+def _alone(backend: Any, item: ForwardItem) -> np.ndarray[Any, Any] | BaseException:
+    """One item of a failed batch, computed on its own: its output, or its own error."""
+    try:
+        (outcome,) = run_batch(backend, [item])
+    except Exception as exc:
+        return exc
+    return outcome
