@@ -94,7 +94,7 @@ def test_generate_serve_and_bench_map_the_same_options_to_the_same_settings() ->
     for config in (generate, serve, bench):
         assert (config.threads, config.wire_dtype, config.transports) == (2, "f16", ("ws", "tcp"))
         assert (config.backends, config.hop_delay_ms, config.stages) == (("numpy",) * 3, 5.0, 3)
-    assert serve.capacity == 4  # --parallel's default
+    assert serve.capacity == 16  # --max-batch's default: a lane for each
     assert generate.mode == serve.mode == "processes"
 
 

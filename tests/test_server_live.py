@@ -538,8 +538,8 @@ def test_eight_concurrent_streaming_clients_on_3_stages(real_server: LiveServer)
     assert [text for text, _ in results] == expected
     health = real_server.health().json()
     assert health["lanes"] == {
-        "capacity": 4,
-        "idle": 4,
+        "capacity": 16,  # a lane for each of --max-batch's 16
+        "idle": 16,
         "busy": 0,
         "replaced": 0,
         "replace_failures": 0,

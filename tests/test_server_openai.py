@@ -147,7 +147,7 @@ def test_bodies_must_be_one_json_object(body: bytes, words: str) -> None:
 
 
 def test_admission_runs_queues_then_refuses_in_order() -> None:
-    adm = Admission(capacity=2, max_queue=1)
+    adm = Admission(max_batch=2, max_queue=1)
     a, b, c = adm.try_admit(), adm.try_admit(), adm.try_admit()
     assert a is not None and b is not None and c is not None
     assert (a.state.value, b.state.value, c.state.value) == ("running", "running", "waiting")
@@ -164,11 +164,11 @@ def test_admission_runs_queues_then_refuses_in_order() -> None:
     b.release()
     c.release()
     assert (adm.running, adm.queued) == (0, 0)
-    assert repr(adm) == "<Admission capacity=2 running=0 queued=0/1 rejected=1>"
+    assert repr(adm) == "<Admission max_batch=2 running=0 queued=0/1 rejected=1 kv=0/unlimited>"
 
 
 async def test_a_cancelled_waiter_leaves_the_line_and_frees_nothing_twice() -> None:
-    adm = Admission(capacity=1, max_queue=2)
+    adm = Admission(max_batch=1, max_queue=2)
     first = adm.try_admit()
     assert first is not None
     waiters = [adm.try_admit(), adm.try_admit()]
@@ -211,7 +211,7 @@ def test_metrics_render_prometheus_text() -> None:
         'stagerun_request_duration_seconds_bucket{endpoint="/v1/completions",le="0.1"} 1' in lines
     )
     assert "stagerun_completion_tokens_total 7" in lines
-    assert "stagerun_admission_capacity 4" in lines
+    assert "stagerun_max_batch 4" in lines
     metrics.observe_timings(
         {"prompt_ms": 180.0, "predicted_ms": 900.0, "prefill_chunks": 3, "draft_n": 10,
          "draft_n_accepted": 6}

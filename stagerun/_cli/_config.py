@@ -44,8 +44,9 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> PipelineConf
     }
     if isinstance(get("stages"), int):
         settings["stages"] = get("stages")
-    if isinstance(get("parallel"), int):
-        settings["capacity"] = get("parallel")
+    batch = max_batch_from_args(args)
+    if batch is not None:
+        settings["capacity"] = batch  # a lane for every request that may run at once
     if get("topology") is not None:
         topology = load_topology(get("topology"))
         layers, remote = topology.layer_ranges, topology.remote_addresses
@@ -54,3 +55,15 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> PipelineConf
         settings.update(layers=layers, remote=remote or None, stages=len(layers))
     settings.update(overrides)
     return PipelineConfig(**settings)
+
+
+def max_batch_from_args(args: argparse.Namespace) -> int | None:
+    """Requests that generate at once: serve's ``--max-batch`` (or ``--parallel``, its
+    deprecated alias; default `DEFAULT_MAX_BATCH`), bench load's ``--parallel``; None for a
+    command that has neither."""
+    if hasattr(args, "max_batch"):
+        from ..server._state import DEFAULT_MAX_BATCH  # only serve pays for the server import
+
+        return DEFAULT_MAX_BATCH if args.max_batch is None else int(args.max_batch)
+    parallel = getattr(args, "parallel", None)
+    return parallel if isinstance(parallel, int) else None

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 from .._driver._config import SpeculationConfig
@@ -36,6 +39,38 @@ def _seconds(text: str) -> float:
     if not (0 < value < math.inf):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
     return value
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(text: str) -> int:
+    """``512M``, ``2G``, ``1.5GiB`` or plain bytes; the units are powers of 1024."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes or a number with K, M, G or T, e.g. 512M, 2G"
+        )
+    size = int(float(match[1]) * _SIZE_UNITS[match[2].lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
+    return size
+
+
+class _DeprecatedAlias(argparse.Action):
+    """Stores like the option it stands for, and says to use that one instead."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        instead = "--" + self.dest.replace("_", "-")
+        print(f"stagerun: {option_string} is deprecated; use {instead}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
 
 
 def _secret_option(p: argparse.ArgumentParser) -> None:
@@ -153,6 +188,27 @@ def _sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _admission_options(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--max-batch", type=int, default=None, metavar="N",
+        help="requests generating at once; the lane pool gets at least N lanes (default 16)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--parallel", type=int, dest="max_batch", action=_DeprecatedAlias, metavar="N",
+        help="deprecated alias of --max-batch",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-budget", type=_byte_size, default=None, metavar="SIZE",
+        help="KV cache the running requests may reserve together, e.g. 512M, 2G or bytes; a "
+        "request reserves (prompt + max_tokens) tokens of it (default: the largest of the "
+        "model's float32 weights, --max-batch requests of 1024 tokens, one full context)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-queue", type=int, default=None, metavar="N",
+        help="requests waiting for a slot and KV budget before 429 (default 64)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stagerun", description="Run one language model split by layers across stages."
@@ -233,12 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--topology", default=None, help="join the remote stages of a TOML file")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000, 0 = any)")
-    serve.add_argument(
-        "--parallel", type=int, default=4, help="requests generating at once = lanes (default 4)"
-    )
-    serve.add_argument(
-        "--max-queue", type=int, default=16, help="requests waiting before 429 (default 16)"
-    )
+    _admission_options(serve)
     serve.add_argument(
         "--threads",
         type=int,

@@ -7,19 +7,23 @@ import argparse
 import trio
 
 from ..server._serve import ServeOptions, serve_with_telemetry
-from ..server._state import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
-from ._config import config_from_args
+from ..server._state import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
+from ._config import config_from_args, max_batch_from_args
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """`ServeOptions` from the parsed ``stagerun serve`` arguments."""
+    max_batch = max_batch_from_args(args)
+    assert max_batch is not None  # serve has --max-batch
     return ServeOptions(
         model=args.model,
         pipeline=config_from_args(args),
         topology=args.topology,
         host=args.host,
         port=args.port,
-        max_queue=args.max_queue,
+        max_batch=max_batch,
+        kv_budget=args.kv_budget,
+        max_queue=_or(args.max_queue, DEFAULT_MAX_QUEUE),
         api_key=args.api_key,
         max_tokens_default=_or(args.max_tokens_default, DEFAULT_MAX_TOKENS),
         max_tokens_limit=_or(args.max_tokens_limit, MAX_TOKENS_LIMIT),

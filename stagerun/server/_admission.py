@@ -1,20 +1,63 @@
-"""Admission: at most ``capacity`` requests generate at once, at most ``max_queue`` wait.
+"""Admission by memory: at most ``max_batch`` requests generate at once, within a KV budget.
 
-Theory of operation (decide, then do): `Admission.try_admit` decides synchronously, when the
-request arrives, whether it runs now, waits in line, or is refused (the handler answers 429
-with ``Retry-After``). Only a waiting request then awaits, in `Ticket.wait`. A finished request
-hands its slot straight to the first waiter, so the line is FIFO and a newcomer never jumps it.
-A waiter that is cancelled (its client went away) leaves the line; one that was handed a slot
-at the moment it was cancelled gives the slot on. ``capacity`` is the lane pool's size, so a
-running request always finds a lane.
+Theory of operation (decide, then do): `Admission.try_admit` decides synchronously, once the
+prompt is tokenized, whether the request runs now, waits in line, or is refused (the handler
+answers 429 with ``Retry-After``). A request reserves the KV cache it can grow to, (prompt
+tokens + its ``max_tokens``) x `kv_bytes_per_token`, for as long as it runs; it runs when
+fewer than ``max_batch`` run and the reservation fits what is left of ``kv_budget``. Only a
+waiting request then awaits, in `Ticket.wait`.
+
+The line is FIFO with head-of-line blocking: a finished request gives back its slot and its
+bytes, and the line's head is granted first; while the head does not fit, nobody behind it
+runs, so a large request is never starved by a stream of small ones, and a newcomer never
+jumps the line. A reservation larger than the whole budget could never run: the handler asks
+`Admission.never_fits` first and refuses it at once. A waiter that is cancelled (its client
+went away) leaves the line, which may let the ones behind it run; one that was granted at the
+moment it was cancelled releases its slot and bytes, which pass on the same way.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
+
+if TYPE_CHECKING:
+    from ..model._gguf import ModelConfig
+
+F32_BYTES = 4
+MODEST_REQUEST_TOKENS = 1024  # a prompt plus the chat default of 512 new tokens, with room
+
+
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    """KV cache one token takes over the whole pipeline: K and V, every layer, float32."""
+    return config.n_layers * 2 * config.n_kv_heads * config.head_dim * F32_BYTES
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """The model's weights, counted from its shape (llama layout, norms included)."""
+    d, q, kv = config.d_model, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    layer = 2 * d + d * q * 2 + d * kv * 2 + 3 * d * config.d_ff
+    embeddings = config.vocab_size * d * (1 if config.tied_output else 2)
+    return config.n_layers * layer + embeddings + d
+
+
+def default_kv_budget(config: ModelConfig, max_batch: int) -> int:
+    """The ``--kv-budget`` when none is given, in bytes.
+
+    The largest of: the model's float32 weights (one forward's worth of memory), ``max_batch``
+    requests of `MODEST_REQUEST_TOKENS` each, and one request that fills the whole context
+    (so the default never refuses a request the model would take).
+    """
+    per_token = kv_bytes_per_token(config)
+    return max(
+        parameter_count(config) * F32_BYTES,
+        max_batch * MODEST_REQUEST_TOKENS * per_token,
+        config.context_length * per_token,
+    )
 
 
 class TicketState(enum.Enum):
@@ -24,17 +67,18 @@ class TicketState(enum.Enum):
 
 
 class Ticket:
-    """One admitted request's claim on a slot; `release` it exactly when done (idempotent)."""
+    """One admitted request's claim on a slot and ``reserve`` bytes; `release` it when done."""
 
-    def __init__(self, admission: Admission, state: TicketState) -> None:
+    def __init__(self, admission: Admission, state: TicketState, reserve: int) -> None:
         self._admission = admission
         self.state = state
+        self.reserve = reserve
         self._granted = trio.Event()
         if state is TicketState.RUNNING:
             self._granted.set()
 
     def __repr__(self) -> str:
-        return f"<Ticket {self.state.value}>"
+        return f"<Ticket {self.state.value} reserve={self.reserve}>"
 
     async def wait(self) -> None:
         """Wait until this ticket may run (returns at once if it already may)."""
@@ -47,60 +91,107 @@ class Ticket:
         self._granted.set()
 
     def release(self) -> None:
-        """Give the slot (or the place in line) back."""
+        """Give the slot and the bytes (or the place in line) back; idempotent."""
         state, self.state = self.state, TicketState.RELEASED
         if state is TicketState.RUNNING:
-            self._admission._slot_freed()
+            self._admission._finished(self)
         elif state is TicketState.WAITING:
             self._admission._leave_line(self)
 
 
 class Admission:
-    """Bounded concurrency with a bounded FIFO line in front of it.
+    """At most ``max_batch`` running within ``kv_budget`` bytes, a bounded FIFO line in front.
 
     Args:
-        capacity: requests that run at once (the lane pool's capacity).
-        max_queue: requests that may wait for a slot; beyond that `try_admit` refuses.
+        max_batch: requests that generate at once (at most the lane pool's capacity, so a
+            running request always finds a lane).
+        max_queue: requests that may wait; beyond that `try_admit` refuses.
+        kv_budget: bytes of KV cache the running requests may reserve together (None: no
+            limit but ``max_batch``).
+        on_start: called with the number running, each time a request starts to run.
     """
 
-    def __init__(self, capacity: int, max_queue: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"admission capacity must be at least 1, got {capacity}")
+    def __init__(
+        self,
+        max_batch: int,
+        max_queue: int,
+        kv_budget: int | None = None,
+        *,
+        on_start: Callable[[int], None] | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be 0 or more, got {max_queue}")
-        self.capacity = capacity
+        if kv_budget is not None and kv_budget < 1:
+            raise ValueError(f"kv_budget must be at least 1 byte, got {kv_budget}")
+        self.max_batch = max_batch
         self.max_queue = max_queue
+        self.kv_budget = kv_budget
         self.running = 0
-        self._line: collections.deque[Ticket] = collections.deque()
+        self.reserved = 0
         self.rejected = 0
+        self._on_start = on_start
+        self._line: collections.deque[Ticket] = collections.deque()
 
     def __repr__(self) -> str:
+        budget = "unlimited" if self.kv_budget is None else self.kv_budget
         return (
-            f"<Admission capacity={self.capacity} running={self.running} "
-            f"queued={self.queued}/{self.max_queue} rejected={self.rejected}>"
+            f"<Admission max_batch={self.max_batch} running={self.running} "
+            f"queued={self.queued}/{self.max_queue} rejected={self.rejected} "
+            f"kv={self.reserved}/{budget}>"
         )
 
     @property
     def queued(self) -> int:
         return len(self._line)
 
-    def try_admit(self) -> Ticket | None:
-        """Decide now: a running ticket, a waiting ticket, or None when the line is full."""
-        if self.running < self.capacity and not self._line:
-            self.running += 1
-            return Ticket(self, TicketState.RUNNING)
+    def never_fits(self, reserve: int) -> bool:
+        """Whether ``reserve`` bytes exceed the whole budget, so the request could never run."""
+        return self.kv_budget is not None and reserve > self.kv_budget
+
+    def try_admit(self, reserve: int = 0) -> Ticket | None:
+        """Decide now: a running ticket, a waiting one, or None when the line is full.
+
+        Raises:
+            ValueError: ``reserve`` could never fit (ask `never_fits` first).
+        """
+        if self.never_fits(reserve):
+            raise ValueError(f"a reservation of {reserve} bytes exceeds the budget {self}")
+        if not self._line and self._fits(reserve):
+            ticket = Ticket(self, TicketState.RUNNING, reserve)
+            self._start(ticket)
+            return ticket
         if len(self._line) < self.max_queue:
-            ticket = Ticket(self, TicketState.WAITING)
+            ticket = Ticket(self, TicketState.WAITING, reserve)
             self._line.append(ticket)
             return ticket
         self.rejected += 1
         return None
 
-    def _slot_freed(self) -> None:
-        if self._line:
-            self._line.popleft()._grant()  # the slot passes on; running stays the same
-        else:
-            self.running -= 1
+    def _fits(self, reserve: int) -> bool:
+        if self.running >= self.max_batch:
+            return False
+        return self.kv_budget is None or self.reserved + reserve <= self.kv_budget
+
+    def _start(self, ticket: Ticket) -> None:
+        self.running += 1
+        self.reserved += ticket.reserve
+        if self._on_start is not None:
+            self._on_start(self.running)
+
+    def _grant_line(self) -> None:
+        """Start waiters from the head while the head fits (head-of-line: no overtaking)."""
+        while self._line and self._fits(self._line[0].reserve):
+            ticket = self._line.popleft()
+            self._start(ticket)
+            ticket._grant()
+
+    def _finished(self, ticket: Ticket) -> None:
+        self.running -= 1
+        self.reserved -= ticket.reserve
+        self._grant_line()
 
     def _leave_line(self, ticket: Ticket) -> None:
         self._line.remove(ticket)
+        self._grant_line()  # the one behind may fit where this one did not

@@ -4,8 +4,9 @@ Theory of operation: `create_app` wires a running `Pipeline` into a Starlette ap
 `RequestContext` ASGI wrapper gives every request an id (the client's ``x-request-id`` or a
 new one, echoed in the response), checks the API key on ``/v1/*`` and records the status and
 duration of every answer. A completion handler parses and checks the request (pure code in
-`_openai`), tokenizes the prompt, asks `Admission` for a ticket (429 when the line is full)
-and returns a `GenerationResponse` that does the rest. Every error leaves in the OpenAI
+`_openai`), tokenizes the prompt, asks `Admission` for a ticket that reserves the KV cache
+the request can grow to (400 when it could never fit ``--kv-budget``, 429 when the line is
+full) and returns a `GenerationResponse` that does the rest. Every error leaves in the OpenAI
 envelope.
 """
 
@@ -27,9 +28,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._driver._pipeline import Pipeline
 from .._proto import SamplingParams
-from ._admission import Admission
+from ._admission import Admission, Ticket, default_kv_budget, kv_bytes_per_token
 from ._generation import GenerationResponse, json_message
-from ._metrics import CONTENT_TYPE
+from ._metrics import CONTENT_TYPE, Metrics
 from ._openai import (
     ApiError,
     GenerationRequest,
@@ -41,6 +42,7 @@ from ._openai import (
 from ._responses import ResponseShape
 from ._state import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_TOKENS,
     MAX_BODY_BYTES,
     MAX_TOKENS_LIMIT,
@@ -59,8 +61,9 @@ def create_app(
     *,
     model_id: str | None = None,
     model_aliases: Iterable[str] = (),
-    capacity: int | None = None,
-    max_queue: int = 16,
+    max_batch: int | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    kv_budget: int | None = None,
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_tokens_default: int = DEFAULT_MAX_TOKENS,
@@ -71,8 +74,11 @@ def create_app(
     Args:
         model_id: the id ``/v1/models`` reports (default: the model's name).
         model_aliases: further ids requests may name (the ``--model`` string, the file name).
-        capacity: requests generating at once (default: the lane pool's capacity, or 1).
-        max_queue: requests that may wait for a slot before the server answers 429.
+        max_batch: requests generating at once (default: the lane pool's capacity, or 1);
+            at most the lane pool's capacity, so every running request finds a lane.
+        max_queue: requests that may wait for a slot and budget before the server answers 429.
+        kv_budget: bytes of KV cache the running requests may reserve together (default:
+            `default_kv_budget` of the model and ``max_batch``).
         api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
         max_tokens_default: the tokens a chat request that names no ``max_tokens`` gets
             (a completion request gets OpenAI's 16).
@@ -84,14 +90,18 @@ def create_app(
             f"the default max_tokens ({max_tokens_default}) must be between 1 and the "
             f"limit ({max_tokens_limit})"
         )
-    if capacity is None:
-        capacity = pipeline.pool.capacity if pipeline.pool is not None else 1
+    max_batch = _checked_max_batch(pipeline, max_batch)
+    if kv_budget is None:
+        kv_budget = default_kv_budget(pipeline.config, max_batch)
     name = model_id or pipeline.config.name
+    metrics = Metrics()
     state = ServerState(
         pipeline=pipeline,
-        admission=Admission(capacity, max_queue),
+        admission=Admission(max_batch, max_queue, kv_budget, on_start=metrics.observe_running),
         model_id=name,
         model_aliases=frozenset({*model_aliases, pipeline.config.name}) - {name},
+        kv_bytes_per_token=kv_bytes_per_token(pipeline.config),
+        metrics=metrics,
         max_body_bytes=max_body_bytes,
         max_tokens_default=max_tokens_default,
         max_tokens_limit=max_tokens_limit,
@@ -112,6 +122,18 @@ def create_app(
     )
     app.state.stagerun = state
     return RequestContext(app, state, api_key=api_key)
+
+
+def _checked_max_batch(pipeline: Pipeline, max_batch: int | None) -> int:
+    lanes = pipeline.pool.capacity if pipeline.pool is not None else None
+    if max_batch is None:
+        return lanes or 1
+    if lanes is not None and max_batch > lanes:
+        raise ValueError(
+            f"max_batch ({max_batch}) is more than the lane pool's {lanes} lanes; start the "
+            f"pipeline with capacity={max_batch} or more"
+        )
+    return max_batch
 
 
 def _state(request: Request) -> ServerState:
@@ -232,17 +254,7 @@ async def _generation(request: Request, kind: Kind) -> Response:
         top_p=req.top_p,
         seed=secrets.randbits(63) if req.seed is None else req.seed,
     )
-    ticket = state.admission.try_admit()
-    if ticket is None:
-        adm = state.admission
-        raise ApiError(
-            429,
-            f"the server is busy ({adm.running} requests running, {adm.queued} waiting); "
-            "retry after a second",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": "1"},
-        )
+    ticket = _admit(state, len(prompt_ids), max_tokens)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     shape = ResponseShape(req, prefix + secrets.token_hex(12), req.model)
     return GenerationResponse(
@@ -254,6 +266,34 @@ async def _generation(request: Request, kind: Kind) -> Response:
         ticket=ticket,
         label=request.scope.get("stagerun.request_id"),
     )
+
+
+def _admit(state: ServerState, prompt_tokens: int, max_tokens: int) -> Ticket:
+    """A ticket reserving the KV cache of (prompt + max_tokens) tokens, or the refusal."""
+    adm = state.admission
+    tokens = prompt_tokens + max_tokens
+    reserve = tokens * state.kv_bytes_per_token
+    if adm.never_fits(reserve):
+        fits = (adm.kv_budget or 0) // max(state.kv_bytes_per_token, 1)
+        raise ApiError(
+            400,
+            f"the request needs KV cache for {tokens} tokens ({prompt_tokens} of prompt + "
+            f"max_tokens {max_tokens}, {reserve} bytes) but the server's --kv-budget "
+            f"({adm.kv_budget} bytes) holds {fits} tokens; shorten the prompt or max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    ticket = adm.try_admit(reserve)
+    if ticket is None:
+        raise ApiError(
+            429,
+            f"the server is busy ({adm.running} requests running, {adm.queued} waiting); "
+            "retry after a second",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        )
+    return ticket
 
 
 async def _health(request: Request) -> Response:
@@ -279,9 +319,11 @@ async def _health(request: Request) -> Response:
         "requests": {
             "running": adm.running,
             "queued": adm.queued,
-            "capacity": adm.capacity,
+            "max_batch": adm.max_batch,
             "max_queue": adm.max_queue,
             "rejected": adm.rejected,
+            "kv_reserved_bytes": adm.reserved,
+            "kv_budget_bytes": adm.kv_budget,
         },
     }
     return JSONResponse(body, status_code=200 if healthy else 503)

@@ -5,7 +5,10 @@ nursery with two tasks. One waits for the request's admission ticket, runs
 ``pipeline.generate`` and sends the answer through ``send``; the other watches ``receive()``
 and, on ``http.disconnect``, cancels the nursery with a reason. Cancelling leaves the
 generate block early, which cancels the request in the pipeline: its lane is closed and
-replaced, never reused half-way. The ticket is released on every path.
+replaced, never reused half-way. The ticket (a slot and the KV bytes it reserved) is released
+as soon as generation ends, before the last HTTP write, so a slow client does not hold back
+the next request; the outer ``finally`` releases it on every other path (release is
+idempotent).
 
 The status line is sent with the first piece of output (or the error), not before: a
 request that fails before it produced anything (a dead stage, a reply timeout) still gets its
@@ -133,16 +136,19 @@ class GenerationResponse(Response):
     async def _run(self, on_text: Any) -> Completion:
         await self.ticket.wait()
         stream_text = on_text is not None
-        async with self.state.pipeline.generate(
-            self.prompt_ids,
-            max_tokens=self.max_tokens,
-            sampling=self.sampling,
-            stop=self.shape.request.stop,
-            label=self.label,
-        ) as stream:
-            async for chunk in stream:
-                if stream_text and chunk.text:
-                    await on_text(chunk.text)
+        try:
+            async with self.state.pipeline.generate(
+                self.prompt_ids,
+                max_tokens=self.max_tokens,
+                sampling=self.sampling,
+                stop=self.shape.request.stop,
+                label=self.label,
+            ) as stream:
+                async for chunk in stream:
+                    if stream_text and chunk.text:
+                        await on_text(chunk.text)
+        finally:
+            self.ticket.release()  # the lane is back in the pool: let the next one run
         assert stream.result is not None
         result = stream.result
         self.state.metrics.observe_tokens(len(result.prompt_token_ids), len(result.token_ids))

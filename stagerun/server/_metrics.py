@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -19,6 +19,7 @@ from ._admission import Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+RUNNING_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _escape(value: str) -> str:
@@ -72,6 +73,11 @@ class Metrics:
         self.draft_tokens = 0
         self.draft_tokens_accepted = 0
         self.windows_switched_off = 0
+        self.running_at_admission = Histogram(buckets=RUNNING_BUCKETS)
+
+    def observe_running(self, running: int) -> None:
+        """Sample the requests running, as one more starts (`Admission`'s ``on_start``)."""
+        self.running_at_admission.observe(running)
 
     def __repr__(self) -> str:
         return (
@@ -153,6 +159,8 @@ class Metrics:
             ("stagerun_time_to_first_token_seconds", "Prompt to first token (prefill).",
              self.time_to_first_token),
             ("stagerun_decode_seconds", "First token to last token.", self.decode_seconds),
+            ("stagerun_running_requests", "Requests running, sampled as each one starts.",
+             self.running_at_admission),
         ):  # fmt: skip
             out.append(f"# HELP {name} {help_text}")
             out.append(f"# TYPE {name} histogram")
@@ -199,22 +207,7 @@ class Metrics:
             "stagerun_client_disconnects_total", "counter",
             "Generations cancelled because the client went away.", [({}, self.disconnects)],
         )  # fmt: skip
-        family(
-            "stagerun_requests_in_flight", "gauge", "Requests generating now.",
-            [({}, admission.running)],
-        )  # fmt: skip
-        family(
-            "stagerun_requests_queued", "gauge", "Requests waiting for a slot.",
-            [({}, admission.queued)],
-        )  # fmt: skip
-        family(
-            "stagerun_requests_rejected_total", "counter",
-            "Requests refused with 429 because the queue was full.", [({}, admission.rejected)],
-        )  # fmt: skip
-        family(
-            "stagerun_admission_capacity", "gauge", "Requests that may generate at once.",
-            [({}, admission.capacity)],
-        )  # fmt: skip
+        _admission_families(family, admission)
         if pool is not None:
             family("stagerun_lanes_idle", "gauge", "Idle lanes in the pool.", [({}, pool.idle)])
             family("stagerun_lanes_busy", "gauge", "Lanes lent to requests.", [({}, pool.busy)])
@@ -240,3 +233,28 @@ class Metrics:
             ),
         )
         return "\n".join(out) + "\n"
+
+
+def _admission_families(
+    family: Callable[[str, str, str, Iterable[tuple[Mapping[str, str], float]]], None],
+    admission: Admission,
+) -> None:
+    """The admission gauges: running, queued, refused, and the limits they run within."""
+    budget: list[tuple[Mapping[str, str], float]] = []
+    if admission.kv_budget is not None:
+        budget.append(({}, admission.kv_budget))
+    for name, kind, help_text, samples in (
+        ("stagerun_requests_in_flight", "gauge", "Requests generating now.",
+         [({}, admission.running)]),
+        ("stagerun_requests_queued", "gauge", "Requests waiting for a slot and KV budget.",
+         [({}, admission.queued)]),
+        ("stagerun_requests_rejected_total", "counter",
+         "Requests refused with 429 because the queue was full.", [({}, admission.rejected)]),
+        ("stagerun_max_batch", "gauge", "Requests that may generate at once (--max-batch).",
+         [({}, admission.max_batch)]),
+        ("stagerun_kv_reserved_bytes", "gauge",
+         "KV cache bytes the running requests have reserved.", [({}, admission.reserved)]),
+        ("stagerun_kv_budget_bytes", "gauge",
+         "KV cache bytes the running requests may reserve (--kv-budget).", budget),
+    ):  # fmt: skip
+        family(name, kind, help_text, samples)

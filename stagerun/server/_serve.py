@@ -32,7 +32,7 @@ from .._errors import StagerunError
 from .._util import single_exceptions
 from .._wire._auth import is_loopback
 from ._app import create_app
-from ._state import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
+from ._state import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 
 API_KEY_ENV = "STAGERUN_API_KEY"
 log = logging.getLogger("stagerun.serve")
@@ -47,17 +47,21 @@ class ServeError(StagerunError):
 class ServeOptions:
     """What ``stagerun serve`` was asked to do: a pipeline, and the HTTP server in front of it.
 
-    The pipeline's ``capacity`` is also how many requests generate at once (``--parallel``).
+    ``max_batch`` requests generate at once (the pipeline's lane ``capacity`` is raised to it
+    if smaller, so each finds a lane), within ``kv_budget`` bytes of reserved KV cache (None:
+    `default_kv_budget` of the model); ``max_queue`` more wait before 429.
     """
 
     model: str | None = None  # default: the topology's model, or smollm2
     pipeline: PipelineConfig = attrs.field(
-        factory=lambda: PipelineConfig(stages=3, mode="processes", capacity=4)
+        factory=lambda: PipelineConfig(stages=3, mode="processes", capacity=DEFAULT_MAX_BATCH)
     )
     topology: str | None = None  # where the pipeline's layers and addresses came from
     host: str = "127.0.0.1"
     port: int = 8000
-    max_queue: int = 16
+    max_batch: int = DEFAULT_MAX_BATCH
+    kv_budget: int | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
     api_key: str | None = None
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     max_tokens_limit: int = MAX_TOKENS_LIMIT
@@ -105,8 +109,9 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                     pipeline,
                     model_id=served_model_id(model),
                     model_aliases={model, pipeline.config.name, Path(model).name},
-                    capacity=wanted.capacity,
+                    max_batch=options.max_batch,
                     max_queue=options.max_queue,
+                    kv_budget=options.kv_budget,
                     api_key=api_key,
                     max_tokens_default=options.max_tokens_default,
                     max_tokens_limit=options.max_tokens_limit,
@@ -128,10 +133,14 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
 def _checked(options: ServeOptions) -> tuple[str, PipelineConfig, str | None]:
     """The model, the pipeline to start and the API key, once the options are checked."""
     wanted = options.pipeline
-    if wanted.capacity < 1:
-        raise ValueError(f"--parallel must be at least 1, got {wanted.capacity}")
+    if options.max_batch < 1:
+        raise ValueError(f"--max-batch must be at least 1, got {options.max_batch}")
+    if options.kv_budget is not None and options.kv_budget < 1:
+        raise ValueError(f"--kv-budget must be at least 1 byte, got {options.kv_budget}")
     if options.max_queue < 0:
         raise ValueError(f"--max-queue must be 0 or more, got {options.max_queue}")
+    if wanted.capacity < options.max_batch:
+        wanted = wanted.replace(capacity=options.max_batch)  # a lane for every running request
     model = options.model
     if options.topology is not None:
         model = model or load_topology(options.topology).model
