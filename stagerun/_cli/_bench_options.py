@@ -25,6 +25,16 @@ def _stage_counts(text: str) -> list[int]:
     return counts
 
 
+def _client_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"client counts {text!r} must look like 1,2,4,8") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError("client counts must be positive integers")
+    return sorted(set(counts))
+
+
 def _delays(text: str) -> list[float]:
     try:
         delays = [float(part) for part in text.split(",") if part.strip()]
@@ -61,6 +71,7 @@ def add_bench_parsers(sub: _SubParsers) -> None:
     _add_timeline(bench_sub)
     _add_prefill(bench_sub)
     _add_load(bench_sub)
+    _add_serve(bench_sub)
     _add_recovery(bench_sub)
     _add_transport(bench_sub)
     _add_backends(bench_sub)
@@ -166,6 +177,52 @@ def _add_load(bench_sub: _SubParsers) -> None:
     load.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue")
     load.add_argument("--model", default="smollm2")
     load.add_argument("--json", action="store_true")
+
+
+def _add_serve(bench_sub: _SubParsers) -> None:
+    serve = bench_sub.add_parser(
+        "serve",
+        help="closed-loop streaming clients against stagerun serve: tokens/s, TTFT and "
+        "inter-token latency per client count, outputs checked against solo runs",
+    )
+    serve.add_argument(
+        "--clients", type=_client_counts, default=[1, 2, 4, 8, 16], metavar="N,N,...",
+        help="client counts to measure, one level each (default 1,2,4,8,16)",
+    )  # fmt: skip
+    serve.add_argument("--stages", type=int, default=3, help="local stages (default 3)")
+    serve.add_argument("--tokens", type=int, default=64, help="max_tokens per request")
+    serve.add_argument(
+        "--requests-per-client", type=int, default=4, metavar="K",
+        help="requests each client sends, one after another (default 4)",
+    )  # fmt: skip
+    serve.add_argument("--model", default="smollm2", help="model name or GGUF path")
+    serve.add_argument("--threads", type=int, default=None, help="the server's --threads")
+    serve.add_argument(
+        "--max-batch", type=int, default=None, metavar="N",
+        help="the server's --max-batch, requests generating at once (default: the server's)",
+    )  # fmt: skip
+    serve.add_argument("--speculative", default="off", metavar="DRAFTER",
+                       help="the server's --speculative (default off)")  # fmt: skip
+    serve.add_argument("--depth", type=int, default=None, help="the server's --depth")
+    serve.add_argument("--window", type=int, default=None, help="the server's --window")
+    serve.add_argument("--draft-model", default=None, help="the server's --draft-model")
+    serve.add_argument(
+        "--serve-arg", action="append", default=[], metavar="ARG",
+        help="one more argument for stagerun serve, repeatable, e.g. --serve-arg=--kv-budget=1G "
+        "(they come last, so they win)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--compare-llama-server", action="store_true",
+        help="run the same load against llama-server -np N on the same GGUF",
+    )  # fmt: skip
+    serve.add_argument(
+        "--llama-server", default=None, metavar="PATH",
+        help="the llama-server binary (default .cache/llama.cpp/bin/llama-server)",
+    )  # fmt: skip
+    serve.add_argument("--llama-threads", type=int, default=2, help="llama-server's -t (default 2)")
+    serve.add_argument("--json", action="store_true")
+    _png_option(serve, "tokens/s against client count")
+    _link_options(serve)
 
 
 def _add_recovery(bench_sub: _SubParsers) -> None:

@@ -5,7 +5,8 @@ open at the same time and measured in interleaved rounds, and the report gives r
 baseline measured in the same run. The median of the rounds is reported.
 
 One module per family: `._decode` (decode, transport, backends), `._speculative`
-(speculative, timeline), `._prefill` (prefill), `._service` (recovery, load).
+(speculative, timeline), `._prefill` (prefill), `._service` (recovery, load), `._serve`
+(serve).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from ._decode import bench_backends, bench_decode, bench_transport
 from ._prefill import bench_prefill
+from ._serve import bench_serve
 from ._service import bench_load, bench_recovery, process_tree_rss_mb
 from ._speculative import SPECULATIVE_PROMPTS, bench_speculative, bench_timeline
 
@@ -28,6 +30,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
     "backends": bench_backends,
     "recovery": bench_recovery,
     "load": bench_load,
+    "serve": bench_serve,
     "prefill": bench_prefill,
 }
 

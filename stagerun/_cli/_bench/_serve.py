@@ -1,0 +1,576 @@
+"""``stagerun bench serve``: closed-loop streaming clients against a served pipeline.
+
+Theory of operation. One real ``stagerun serve`` subprocess (stage processes, a free loopback
+port) is started and polled until ``/health`` says ok. Every distinct prompt is first
+completed once alone: that solo text is what the prompt must produce under any load (greedy
+decoding does not depend on what else the server is doing). Then, per client count N, N
+closed-loop clients each stream K ``/v1/completions`` one after another, and every chunk's
+arrival time is kept: time to first token, the gaps between text chunks (inter-token
+latency), the whole request's latency. A level's tokens/s is its completion tokens over its
+wall time, and each stage's busy fraction is the CPU time its process used over that wall
+time (``/proc/PID/stat``; above 1 with several compute threads). Stage 0 is the server
+process itself, stage i its child started with ``--index i``.
+
+With ``--compare-llama-server`` the same prompts and levels run against ``llama-server -np N``
+on the same GGUF, a fresh server per level. Its outputs are compared only with its own solo
+outputs (other kernels, other floating point); that count is reported, it never fails the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import pathlib
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import IO, Any
+
+import attrs
+import trio
+
+from ..._errors import StagerunError
+from ._common import say
+from ._service import _stop_server
+
+__all__ = ["PROMPTS", "StreamReader", "bench_serve", "percentile", "scaling_ratios"]
+
+#: Open continuations, one per client index, so that clients' outputs differ.
+PROMPTS: tuple[str, ...] = (
+    "Once upon a time, in a village by the sea, there lived a girl named",
+    "The old clockmaker opened the drawer and found",
+    "In the year 2150, the first city on Mars was",
+    "The recipe for my grandmother's apple pie begins with",
+    "Deep in the forest, the fox looked up at the moon and",
+    "The train pulled into the empty station just after midnight, and",
+    "When the lighthouse keeper woke up that morning, the sea was",
+    "The little robot rolled into the kitchen and asked",
+    "On the first day of school, the new teacher told the class that",
+    "The letter had been hidden under the floorboards for fifty years. It said",
+    "High in the mountains, the monks of the monastery kept a secret:",
+    "The detective studied the muddy footprints and concluded that",
+    "Every summer, the whole family drove to the lake, where",
+    "The dragon had not left its cave for a hundred years, until",
+    "At the edge of the desert stood a tiny shop that sold",
+    "The scientist stared at the results of the experiment and whispered",
+)
+_HEALTH_DEADLINE_S = 300.0
+_REQUEST_TIMEOUT_S = 600.0
+_LLAMA_SERVER = pathlib.Path(".cache/llama.cpp/bin/llama-server")  # in a checkout of stagerun
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) of ``values``, interpolated linearly; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def scaling_ratios(rates: Mapping[int, float]) -> dict[int, float]:
+    """Each client count's tokens/s over that of the smallest count measured (1, normally)."""
+    if not rates:
+        return {}
+    base = rates[min(rates)]
+    return {n: (rate / base if base > 0 else 0.0) for n, rate in sorted(rates.items())}
+
+
+@attrs.frozen
+class Sample:
+    """One streamed request: its text, its completion tokens and when its chunks arrived."""
+
+    prompt: int  # index into the prompts
+    text: str
+    tokens: int
+    ttft_s: float
+    gaps_s: tuple[float, ...]  # between consecutive text chunks
+    latency_s: float
+
+
+@attrs.define
+class StreamReader:
+    """The server-sent events of one streamed completion, fed line by line; never awaits.
+
+    The token count is the stream's ``usage`` (or llama-server's ``timings``) when it has
+    one, else the number of text chunks.
+    """
+
+    started: float
+    parts: list[str] = attrs.field(factory=list)
+    stamps: list[float] = attrs.field(factory=list)
+    reported_tokens: int | None = None
+    done: bool = False
+    _pending: bytes = b""
+
+    def receive_data(self, data: bytes, now: float) -> None:
+        """Take a piece of the response body, which arrived at ``now``."""
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        for line in lines:
+            self.receive_line(line.decode(), now)
+
+    def receive_line(self, line: str, now: float) -> None:
+        """Take one line of the event stream, which arrived at ``now``."""
+        if not line.startswith("data:"):
+            return
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            self.done = True
+            return
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            raise StagerunError(f"the server failed a streamed request: {chunk['error']}")
+        for choice in chunk.get("choices") or ():
+            if text := choice.get("text") or "":
+                self.parts.append(text)
+                self.stamps.append(now)
+        usage, timings = chunk.get("usage"), chunk.get("timings")
+        if isinstance(usage, dict) and "completion_tokens" in usage:
+            self.reported_tokens = int(usage["completion_tokens"])
+        elif isinstance(timings, dict) and "predicted_n" in timings:
+            self.reported_tokens = int(timings["predicted_n"])
+
+    def finish(self, prompt: int, now: float) -> Sample:
+        """The finished request."""
+        stamps = self.stamps
+        return Sample(
+            prompt=prompt,
+            text="".join(self.parts),
+            tokens=len(stamps) if self.reported_tokens is None else self.reported_tokens,
+            ttft_s=(stamps[0] if stamps else now) - self.started,
+            gaps_s=tuple(b - a for a, b in itertools.pairwise(stamps)),
+            latency_s=now - self.started,
+        )
+
+
+async def http_exchange(
+    port: int,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    on_data: Callable[[bytes, float], None] | None = None,
+) -> tuple[int, bytes]:
+    """One HTTP/1.1 request to 127.0.0.1:``port`` on its own connection (h11).
+
+    Returns the status and the body; with ``on_data`` a 200 body goes to it instead, piece by
+    piece with its arrival time, as it comes. The body is always read to its end.
+    """
+    import h11
+
+    conn = h11.Connection(h11.CLIENT)
+    headers = [("Host", f"127.0.0.1:{port}"), ("Connection", "close")]
+    if body:
+        headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        out = conn.send(h11.Request(method=method, target=path, headers=headers))
+        out += conn.send(h11.Data(data=body)) if body else b""
+        await stream.send_all(out + conn.send(h11.EndOfMessage()))
+        status, chunks = 0, []
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                if on_data is not None and status == 200:
+                    on_data(bytes(event.data), time.perf_counter())
+                else:
+                    chunks.append(bytes(event.data))
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return status, b"".join(chunks)
+
+
+@attrs.define
+class _Target:
+    """A running server under test, and what the clients send it."""
+
+    name: str  # "stagerun" or "llama-server"
+    port: int
+    pid: int
+    model: str
+    prompts: tuple[str, ...]
+    tokens: int
+    rejected: int = 0  # 429 answers, each retried
+
+    async def complete(self, prompt: int) -> Sample:
+        """Stream one completion of prompt ``prompt`` to its end; retry while it gets 429."""
+        body = json.dumps(
+            {"model": self.model, "prompt": self.prompts[prompt], "max_tokens": self.tokens,
+             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        ).encode()  # fmt: skip
+        while True:
+            reader = StreamReader(started=time.perf_counter())
+            try:
+                with trio.fail_after(_REQUEST_TIMEOUT_S):
+                    status, text = await http_exchange(
+                        self.port, "POST", "/v1/completions", body, reader.receive_data
+                    )
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                raise StagerunError(f"{self.name} did not answer a completion: {exc!r}") from exc
+            if status == 200 and not reader.done:
+                raise StagerunError(f"{self.name} ended a completion stream without [DONE]")
+            if status == 200:
+                return reader.finish(prompt, time.perf_counter())
+            if status != 429:
+                raise StagerunError(f"{self.name} answered {status} to a completion: "
+                                    f"{text.decode(errors='replace')}")  # fmt: skip
+            self.rejected += 1
+            await trio.sleep(0.05)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time of process ``pid`` (Linux ``/proc``; None if unreadable)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # fields[0] is the state, field 3 of stat(5)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def stage_pids(root: int) -> list[int]:
+    """``root`` (stage 0) then its ``stagerun stage`` children, ordered by their ``--index``."""
+    stages: list[tuple[int, int]] = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            argv = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) != root or b"stage" not in argv:
+            continue
+        index = argv.index(b"--index") + 1 if b"--index" in argv else 0
+        stages.append((int(argv[index]) if index else len(stages) + 1, int(entry)))
+    return [root, *(pid for _, pid in sorted(stages))]
+
+
+async def _level(
+    target: _Target, clients: int, requests: int
+) -> tuple[list[Sample], dict[str, Any]]:
+    """``clients`` closed-loop clients, ``requests`` each; the samples and the level's totals."""
+    samples: list[Sample] = []
+
+    async def client(index: int) -> None:
+        for _ in range(requests):
+            samples.append(await target.complete(index % len(target.prompts)))
+
+    pids = stage_pids(target.pid)
+    before = [cpu_seconds(pid) for pid in pids]
+    rejected, started = target.rejected, time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for index in range(clients):
+            nursery.start_soon(client, index)
+    wall = time.perf_counter() - started
+    after = [cpu_seconds(pid) for pid in pids]
+    busy = [
+        None if a is None or b is None else (b - a) / wall
+        for a, b in zip(before, after, strict=True)
+    ]
+    return samples, {"seconds": wall, "busy": busy, "rejected": target.rejected - rejected}
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1000.0
+
+
+def level_report(
+    clients: int, samples: Sequence[Sample], totals: Mapping[str, Any], solo: Sequence[str]
+) -> dict[str, Any]:
+    """One level's row of the report: throughput, latency percentiles, mismatches, busy."""
+    tokens = sum(s.tokens for s in samples)
+    ttft = [s.ttft_s for s in samples]
+    gaps = [gap for s in samples for gap in s.gaps_s]
+    latency = [s.latency_s for s in samples]
+    return {
+        "clients": clients,
+        "requests": len(samples),
+        "completion_tokens": tokens,
+        "seconds": totals["seconds"],
+        "tokens_per_second": tokens / totals["seconds"],
+        "ttft_p50_ms": _ms(percentile(ttft, 50)),
+        "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "itl_p50_ms": _ms(percentile(gaps, 50)),
+        "itl_p99_ms": _ms(percentile(gaps, 99)),
+        "latency_p50_ms": _ms(percentile(latency, 50)),
+        "latency_p99_ms": _ms(percentile(latency, 99)),
+        "mismatches": sum(s.text != solo[s.prompt] for s in samples),
+        "rejected": totals["rejected"],
+        "busy": totals["busy"],
+    }
+
+
+async def _measure_level(
+    args: argparse.Namespace, target: _Target, clients: int, solo: Sequence[str]
+) -> dict[str, Any]:
+    samples, totals = await _level(target, clients, args.requests_per_client)
+    for sample in [s for s in samples if s.text != solo[s.prompt]][:3]:
+        say(args, f"{target.name} mismatch on prompt {sample.prompt}: {sample.text!r} "
+                  f"alone was {solo[sample.prompt]!r}")  # fmt: skip
+    row = level_report(clients, samples, totals, solo)
+    busy = " ".join("-" if b is None else f"{b:.2f}" for b in row["busy"])
+    say(args, f"{target.name}, {clients} clients: {row['tokens_per_second']:.1f} tokens/s, "
+              f"TTFT p50 {row['ttft_p50_ms']:.0f} ms, {row['mismatches']} mismatches, "
+              f"busy {busy}")  # fmt: skip
+    return row
+
+
+async def _solo(target: _Target) -> list[str]:
+    """Every prompt's text when it is the only request on the server."""
+    return [(await target.complete(index)).text for index in range(len(target.prompts))]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _tail(log: IO[bytes], lines: int = 25) -> str:
+    log.flush()
+    log.seek(0)
+    return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
+
+
+async def _wait_healthy(proc: trio.Process, port: int, log: IO[bytes], what: str) -> None:
+    """Poll ``/health`` until it answers 200 with status ok, or fail saying why."""
+    deadline = trio.current_time() + _HEALTH_DEADLINE_S
+    while trio.current_time() < deadline:
+        if proc.poll() is not None:
+            raise StagerunError(f"{what} exited with code {proc.returncode} before it was "
+                                f"healthy; its output ended with:\n{_tail(log)}")  # fmt: skip
+        try:
+            with trio.fail_after(5):
+                status, body = await http_exchange(port, "GET", "/health")
+            if status == 200 and json.loads(body).get("status") == "ok":
+                return
+        except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError):
+            pass  # not listening yet, or still loading
+        await trio.sleep(0.2)
+    raise StagerunError(f"{what} was not healthy on port {port} within "
+                        f"{_HEALTH_DEADLINE_S:.0f}s; its output ended with:\n{_tail(log)}")  # fmt: skip
+
+
+@asynccontextmanager
+async def _launched(cmd: Sequence[str], port: int, what: str) -> AsyncIterator[trio.Process]:
+    """A server started from ``cmd``, once it is healthy on ``port``; stopped on the way out."""
+    with tempfile.TemporaryFile() as log:
+        proc = await trio.lowlevel.open_process(list(cmd), stdout=log, stderr=log)
+        try:
+            await _wait_healthy(proc, port, log, what)
+            yield proc
+        finally:
+            await _stop_server(proc)
+
+
+def serve_command(args: argparse.Namespace, port: int) -> list[str]:
+    """The ``stagerun serve`` command line the options ask for.
+
+    Its queue holds every client, so none is turned away; how many generate at once is the
+    server's ``--max-batch``, its default unless the bench is given one.
+    """
+    most = max(args.clients)
+    cmd = [sys.executable, "-m", "stagerun", "serve", "--host", "127.0.0.1",
+           "--port", str(port), "--model", args.model, "--stages", str(args.stages),
+           "--max-queue", str(most)]  # fmt: skip
+    if args.hop_delay_ms:
+        cmd += ["--hop-delay-ms", f"{args.hop_delay_ms:g}"]
+    if args.bandwidth_mbps is not None:
+        cmd += ["--bandwidth-mbps", f"{args.bandwidth_mbps:g}"]
+    if args.speculative != "off":
+        cmd += ["--speculative", args.speculative]
+    for option in ("threads", "depth", "window", "draft_model", "max_batch"):
+        if (value := getattr(args, option)) is not None:
+            cmd += ["--" + option.replace("_", "-"), str(value)]
+    return cmd + list(args.serve_arg)
+
+
+def _serve_accepts(option: str) -> bool:
+    """Whether this version's ``stagerun serve`` has ``option``."""
+    from .._options import build_parser
+
+    _, unknown = build_parser().parse_known_args(["serve", option, "1"])
+    return option not in unknown
+
+
+async def _measure_stagerun(args: argparse.Namespace, prompts: tuple[str, ...]) -> dict[str, Any]:
+    from ...server._serve import served_model_id
+
+    port = _free_port()
+    cmd = serve_command(args, port)
+    say(args, "starting " + " ".join(cmd[2:]))
+    async with _launched(cmd, port, "stagerun serve") as proc:
+        target = _Target("stagerun", port, proc.pid, served_model_id(args.model), prompts,
+                         args.tokens)  # fmt: skip
+        solo = await _solo(target)
+        say(args, f"stagerun: {len(prompts)} prompts completed alone")
+        levels = [await _measure_level(args, target, n, solo) for n in args.clients]
+    return _curve(levels)
+
+
+def _curve(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    ratios = scaling_ratios({row["clients"]: row["tokens_per_second"] for row in levels})
+    for row in levels:
+        row["scaling"] = ratios[row["clients"]]
+    return {"levels": levels, "scaling": {str(n): r for n, r in ratios.items()}}
+
+
+def llama_server_path(args: argparse.Namespace) -> pathlib.Path:
+    """``--llama-server``, else the checkout's ``.cache/llama.cpp/bin/llama-server``."""
+    if args.llama_server:
+        return pathlib.Path(args.llama_server)
+    checkout = pathlib.Path(__file__).resolve().parents[3] / _LLAMA_SERVER
+    return checkout if checkout.is_file() else _LLAMA_SERVER
+
+
+def llama_command(
+    args: argparse.Namespace, gguf: pathlib.Path, clients: int, port: int
+) -> list[str]:
+    """``llama-server`` with ``clients`` slots, each with room for a prompt and --tokens."""
+    binary = str(llama_server_path(args))
+    per_slot = max(512, args.tokens + 256)
+    return [binary, "-m", str(gguf), "-np", str(clients), "-c", str(clients * per_slot),
+            "--host", "127.0.0.1", "--port", str(port), "-t", str(args.llama_threads)]  # fmt: skip
+
+
+async def _measure_llama(args: argparse.Namespace, prompts: tuple[str, ...]) -> dict[str, Any]:
+    from ...model import resolve_model
+
+    gguf = resolve_model(args.model)
+    solo: list[str] | None = None
+    levels = []
+    for clients in args.clients:
+        port = _free_port()
+        cmd = llama_command(args, gguf, clients, port)
+        say(args, "starting " + " ".join(cmd))
+        async with _launched(cmd, port, "llama-server") as proc:
+            target = _Target("llama-server", port, proc.pid, gguf.stem, prompts, args.tokens)
+            if solo is None:
+                solo = await _solo(target)
+            else:
+                await target.complete(0)  # warm-up
+            levels.append(await _measure_level(args, target, clients, solo))
+    return _curve(levels)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse options that cannot work, before minutes of start-up."""
+    for name in ("stages", "tokens", "requests_per_client"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_batch is not None and not _serve_accepts("--max-batch"):
+        raise ValueError("this stagerun serve has no --max-batch option; leave --max-batch out")
+    if args.compare_llama_server:
+        binary = llama_server_path(args)
+        if not (binary.is_file() and os.access(binary, os.X_OK)):
+            raise ValueError(f"no llama-server at {binary}: give its path with --llama-server")
+    if args.png:
+        from .._report import require_matplotlib
+
+        require_matplotlib()  # fail before minutes of measuring, not after
+
+
+async def bench_serve(args: argparse.Namespace) -> int:
+    """Tokens/s and latencies per client count, outputs checked; 1 if any output differed."""
+    _check(args)
+    prompts = PROMPTS[: min(max(args.clients), len(PROMPTS))]
+    report: dict[str, Any] = {
+        "benchmark": "serve", "model": args.model, "stages": args.stages,
+        "clients": args.clients, "tokens": args.tokens,
+        "requests_per_client": args.requests_per_client, "hop_delay_ms": args.hop_delay_ms,
+        "speculative": args.speculative, "max_batch": args.max_batch, "prompts": len(prompts),
+    }  # fmt: skip
+    report["stagerun"] = await _measure_stagerun(args, prompts)
+    report["llama_server"] = None
+    if args.compare_llama_server:
+        report["llama_server"] = await _measure_llama(args, prompts)
+    report["mismatches"] = sum(row["mismatches"] for row in report["stagerun"]["levels"])
+    if args.png:
+        plot_scaling(report, args.png)
+        say(args, f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_report(report)
+    return 0 if report["mismatches"] == 0 else 1
+
+
+def _pair(low: float | None, high: float | None) -> str:
+    return "-" if low is None or high is None else f"{low:.0f}/{high:.0f}"
+
+
+def _print_curve(name: str, curve: Mapping[str, Any]) -> None:
+    print(f"{name}\n  clients  tokens/s  scaling  TTFT ms  ITL ms  latency ms  mismatches  "
+          "429s  busy per stage")  # fmt: skip
+    for row in curve["levels"]:
+        busy = " ".join("-" if b is None else f"{b:.2f}" for b in row["busy"])
+        print(
+            f"  {row['clients']:7d} {row['tokens_per_second']:9.1f} {row['scaling']:7.2f}x "
+            f"{_pair(row['ttft_p50_ms'], row['ttft_p99_ms']):>8} "
+            f"{_pair(row['itl_p50_ms'], row['itl_p99_ms']):>7} "
+            f"{_pair(row['latency_p50_ms'], row['latency_p99_ms']):>11} "
+            f"{row['mismatches']:11d} {row['rejected']:5d}  {busy}"
+        )
+
+
+def _print_side_by_side(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> None:
+    print("side by side\n  clients  stagerun tokens/s  scaling  llama-server tokens/s  scaling")
+    for a, b in zip(ours["levels"], theirs["levels"], strict=True):
+        print(f"  {a['clients']:7d} {a['tokens_per_second']:18.1f} {a['scaling']:7.2f}x "
+              f"{b['tokens_per_second']:22.1f} {b['scaling']:7.2f}x")  # fmt: skip
+
+
+def _print_report(report: Mapping[str, Any]) -> None:
+    print(f"{report['model']}, {report['stages']} stages, {report['tokens']} tokens x "
+          f"{report['requests_per_client']} requests per client, hop delay "
+          f"{report['hop_delay_ms']:g} ms, speculative {report['speculative']}; latencies "
+          "are p50/p99, busy is CPU seconds per second of each stage process")  # fmt: skip
+    curves = {"stagerun": report["stagerun"], "llama-server": report["llama_server"]}
+    curves = {name: curve for name, curve in curves.items() if curve is not None}
+    for name, curve in curves.items():
+        _print_curve(name, curve)
+    if len(curves) == 2:
+        _print_side_by_side(curves["stagerun"], curves["llama-server"])
+    clients = report["clients"]
+    top = 8 if 8 in clients else max(clients)
+    ratios = [f"{name} {curve['scaling'][str(top)]:.2f}x" for name, curve in curves.items()]
+    print(f"tokens/s at {top} clients over {min(clients)}: " + ", ".join(ratios))
+    print(f"stagerun outputs that differed from the solo run: {report['mismatches']}")
+
+
+def plot_scaling(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
+    """Tokens/s against client count, a line for stagerun and one for llama-server if run."""
+    from .._report import require_matplotlib
+
+    plt = require_matplotlib()
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120, layout="constrained")
+    try:
+        for name, key in (("stagerun", "stagerun"), ("llama-server", "llama_server")):
+            if (curve := report.get(key)) is not None:
+                rows = curve["levels"]
+                axes.plot([r["clients"] for r in rows], [r["tokens_per_second"] for r in rows],
+                          marker="o", label=name)  # fmt: skip
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(report["clients"], [str(n) for n in report["clients"]])
+        axes.set_xlabel("concurrent clients")
+        axes.set_ylabel("decode tokens/s (all clients)")
+        axes.set_ylim(bottom=0)
+        axes.set_title(f"{report['model']}, {report['stages']} stages, {report['tokens']} "
+                       f"tokens per request", fontsize=10)  # fmt: skip
+        axes.legend()
+        axes.grid(alpha=0.3)
+        figure.savefig(path)
+    finally:
+        plt.close(figure)

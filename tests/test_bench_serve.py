@@ -1,0 +1,205 @@
+"""``stagerun bench serve``: closed-loop streaming clients against a real ``stagerun serve``.
+
+The end-to-end tests run the tiny random model (seconds); the real default model's curve is
+``stagerun bench serve`` itself. The llama-server comparison runs only where its binary is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+
+import pytest
+
+from stagerun._cli._bench._serve import (
+    PROMPTS,
+    StreamReader,
+    cpu_seconds,
+    llama_command,
+    percentile,
+    plot_scaling,
+    scaling_ratios,
+    serve_command,
+    stage_pids,
+)
+from stagerun._cli._main import main
+from stagerun._cli._options import build_parser
+
+LLAMA_SERVER = pathlib.Path(__file__).parent.parent / ".cache/llama.cpp/bin/llama-server"
+LEVEL_KEYS = {
+    "clients", "requests", "completion_tokens", "seconds", "tokens_per_second", "ttft_p50_ms",
+    "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "latency_p50_ms", "latency_p99_ms",
+    "mismatches", "rejected", "busy", "scaling",
+}  # fmt: skip
+
+
+def _bench(model: pathlib.Path, *extra: str) -> list[str]:
+    return ["bench", "serve", "--model", str(model), "--clients", "1,2", "--tokens", "8",
+            "--requests-per-client", "1", "--json", *extra]  # fmt: skip
+
+
+def _check_curve(curve: dict[str, object], stages: int) -> None:
+    levels = curve["levels"]
+    assert isinstance(levels, list) and [row["clients"] for row in levels] == [1, 2]
+    for row in levels:
+        assert set(row) == LEVEL_KEYS
+        assert row["requests"] == row["clients"] and row["rejected"] == 0
+        assert row["completion_tokens"] >= row["requests"] and row["tokens_per_second"] > 0
+        assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] <= row["latency_p99_ms"]
+        assert len(row["busy"]) == stages
+    assert curve["scaling"] == {"1": 1.0, "2": levels[1]["scaling"]}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads CPU time from /proc (Linux)")
+def test_bench_serve_reports_a_curve_with_no_mismatches(
+    tiny_model_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_bench(tiny_model_path)) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["benchmark"] == "serve" and report["stages"] == 3
+    assert report["prompts"] == 2 and report["mismatches"] == 0
+    assert report["llama_server"] is None
+    _check_curve(report["stagerun"], stages=3)
+    assert all(row["mismatches"] == 0 for row in report["stagerun"]["levels"])
+
+
+@pytest.mark.skipif(not LLAMA_SERVER.is_file(), reason="no llama-server in .cache/llama.cpp")
+def test_bench_serve_runs_the_same_load_against_llama_server(
+    tiny_model_path: pathlib.Path, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    png = tmp_path / "serve.png"
+    argv = _bench(tiny_model_path, "--compare-llama-server", "--llama-server", str(LLAMA_SERVER),
+                  "--stages", "2", "--png", str(png))  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    _check_curve(report["stagerun"], stages=2)
+    _check_curve(report["llama_server"], stages=1)  # one process
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_command_passes_the_options_through() -> None:
+    args = build_parser().parse_args(
+        ["bench", "serve", "--clients", "4,1,2,2", "--hop-delay-ms", "5", "--speculative",
+         "ngram", "--window", "3", "--max-batch", "8", "--serve-arg=--max-queue=2"]
+    )  # fmt: skip
+    assert args.clients == [1, 2, 4]  # sorted, once each
+    cmd = serve_command(args, 8123)
+    assert cmd[1:4] == ["-m", "stagerun", "serve"]
+    text = " ".join(cmd)
+    assert "--port 8123" in text and "--stages 3" in text and "--hop-delay-ms 5" in text
+    assert "--speculative ngram" in text and "--window 3" in text and "--max-batch 8" in text
+    assert "--max-queue 4" in text and "--depth" not in text and "--parallel" not in text
+    assert cmd[-1] == "--max-queue=2"  # last, so it wins over the bench's own
+
+
+def test_llama_command_gives_every_client_a_slot() -> None:
+    args = build_parser().parse_args(["bench", "serve", "--compare-llama-server"])
+    cmd = llama_command(args, pathlib.Path("m.gguf"), 4, 9000)
+    assert cmd[0].endswith("llama-server")
+    pairs = dict(zip(cmd[1::2], cmd[2::2], strict=True))
+    assert pairs == {"-m": "m.gguf", "-np": "4", "-c": "2048", "--host": "127.0.0.1",
+                     "--port": "9000", "-t": "2"}  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", ["", "0,1", "1,x"])
+def test_client_counts_must_be_positive_integers(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "serve", "--clients", bad])
+    assert "client counts" in capsys.readouterr().err
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0) == 1.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 100) == 5.0
+    assert percentile([float(i) for i in range(101)], 99) == pytest.approx(99.0)
+
+
+def test_scaling_ratios_are_over_the_smallest_client_count() -> None:
+    assert scaling_ratios({}) == {}
+    assert scaling_ratios({4: 30.0, 1: 10.0, 2: 18.0}) == {1: 1.0, 2: 1.8, 4: 3.0}
+    assert scaling_ratios({2: 0.0, 4: 5.0}) == {2: 0.0, 4: 0.0}
+
+
+def test_stream_reader_takes_events_one_byte_at_a_time() -> None:
+    events = [
+        {"choices": [{"index": 0, "text": "Once", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": " upon", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
+    ]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+    reader = StreamReader(started=10.0)
+    for i, byte in enumerate(body + b"data: [DONE]\n\n"):
+        reader.receive_data(bytes([byte]), 10.0 + i / 1000)
+    assert reader.done
+    sample = reader.finish(prompt=1, now=11.0)
+    assert sample.text == "Once upon" and sample.tokens == 3 and sample.prompt == 1
+    assert 0 < sample.ttft_s < sample.latency_s == 1.0
+    assert len(sample.gaps_s) == 1 and sample.gaps_s[0] > 0
+
+
+def test_stream_reader_counts_chunks_without_usage_and_raises_on_errors() -> None:
+    reader = StreamReader(started=0.0)
+    for n, text in enumerate(["a", "b", "c"]):
+        reader.receive_line(f'data: {{"choices": [{{"text": "{text}"}}]}}', float(n + 1))
+    assert reader.finish(prompt=0, now=4.0).tokens == 3
+    with pytest.raises(Exception, match="failed a streamed request"):
+        reader.receive_line('data: {"error": {"message": "stage 1 died"}}', 5.0)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
+def test_cpu_time_and_stage_processes_come_from_proc() -> None:
+    sum(i * i for i in range(200_000))  # some CPU time of our own
+    seconds = cpu_seconds(os.getpid())
+    assert seconds is not None and seconds > 0
+    assert cpu_seconds(2**22 + 12345) is None  # above pid_max: no such process
+    assert stage_pids(os.getpid()) == [os.getpid()]  # no stage children
+
+
+def test_prompts_are_distinct_open_continuations() -> None:
+    assert len(set(PROMPTS)) == len(PROMPTS) >= 16
+    assert not any(p.rstrip().endswith(".") for p in PROMPTS)
+
+
+def test_plot_scaling_draws_both_curves_into_a_png(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("matplotlib")
+
+    def curve(rates: list[float]) -> dict[str, object]:
+        return {"levels": [{"clients": n, "tokens_per_second": r} for n, r in zip(
+            [1, 2, 4], rates, strict=True)]}  # fmt: skip
+
+    report = {"model": "tiny", "stages": 3, "tokens": 8, "clients": [1, 2, 4],
+              "stagerun": curve([10.0, 18.0, 30.0]), "llama_server": curve([50.0, 90.0, 160.0])}  # fmt: skip
+    path = tmp_path / "scaling.png"
+    plot_scaling(report, path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (840, 540)  # 7 x 4.5 inches at 120 dpi
+
+
+def test_options_serve_lacks_are_found_before_anything_starts() -> None:
+    from stagerun._cli._bench._serve import _serve_accepts
+
+    assert _serve_accepts("--stages") and _serve_accepts("--max-queue")
+    assert not _serve_accepts("--no-such-option")
+
+
+def test_level_report_counts_outputs_that_differ_from_the_solo_run() -> None:
+    from stagerun._cli._bench._serve import Sample, level_report
+
+    samples = [
+        Sample(prompt=0, text="a b", tokens=2, ttft_s=0.1, gaps_s=(0.05,), latency_s=0.2),
+        Sample(prompt=1, text="c X", tokens=2, ttft_s=0.3, gaps_s=(0.07,), latency_s=0.4),
+    ]
+    totals = {"seconds": 0.5, "busy": [0.5, None], "rejected": 0}
+    row = level_report(2, samples, totals, solo=["a b", "c d"])
+    assert row["mismatches"] == 1 and row["completion_tokens"] == 4
+    assert row["tokens_per_second"] == 8.0 and row["busy"] == [0.5, None]
+    assert row["ttft_p50_ms"] == pytest.approx(200.0) and row["itl_p99_ms"] == pytest.approx(69.8)
