@@ -99,3 +99,28 @@ class DepthControl:
             outcome = 1.0 if i < full else 0.0
             self.full_accept_rate += FULL_ACCEPT_EWMA_ALPHA * (outcome - self.full_accept_rate)
         self.allowed = self._depth_for(self.full_accept_rate)
+
+
+# Under load, speculation competes for the stages' compute: a drafted row that is rejected is
+# a row another request's token could have used. Below LOAD_SPECULATE_FULLY of stage 0's time
+# busy, the stages have compute to spare and speculation runs as configured; from
+# LOAD_SPECULATE_NEVER on, every row is taken and drafting stops; in between it shrinks.
+LOAD_SPECULATE_FULLY = 0.5
+LOAD_SPECULATE_NEVER = 0.9
+
+
+def speculation_share(busy: float) -> float:
+    """The share of its depth and drafts a request may use when stage 0 is ``busy`` (0..1)."""
+    if busy <= LOAD_SPECULATE_FULLY:
+        return 1.0
+    if busy >= LOAD_SPECULATE_NEVER:
+        return 0.0
+    return (LOAD_SPECULATE_NEVER - busy) / (LOAD_SPECULATE_NEVER - LOAD_SPECULATE_FULLY)
+
+
+def under_load(allowed: int, share: float) -> int:
+    """``allowed`` (a depth, or drafts per window) cut to ``share``; at least one of a depth
+    is kept by the caller, a share of 0 gives 0."""
+    if share <= 0.0:
+        return 0
+    return max(1, math.floor(allowed * share + 0.5))

@@ -29,6 +29,7 @@ from .. import _proto, telemetry
 from .._decide._prefill import ChunkPolicy
 from .._decide._sampling import sample_token
 from .._errors import LaneError, RecoveryFailedError, StageError
+from .._stage._scheduler import TickScheduler
 from .._text import TextAssembler
 from ..abc import Drafter
 from ..model import ModelFile
@@ -67,6 +68,7 @@ class StageZero(Protocol):
     last_prefill: PrefillReport | None
     recoveries: int
     recovery_failures: int
+    scheduler: TickScheduler  # stage 0's compute, batched over its requests
 
     def _new_cache(self) -> Any: ...
 
@@ -185,6 +187,10 @@ class Request:
         self.generated.append(token)
         await self.emit(TokenChunk(token, self._assembler.push(self._decoder.push(token))))
         return self._assembler.stopped
+
+    def load(self) -> float:
+        """How busy stage 0's compute has been in the last second (0..1)."""
+        return self.pipeline.scheduler.recent_busy()
 
     async def compute(
         self, position: int, tokens: Sequence[int], logits: str, window_id: int | None = None

@@ -43,6 +43,8 @@ from .._decide._pace import (
     ADAPTIVE_MIN_WINDOWS,
     DepthControl,
     PaceCheck,
+    speculation_share,
+    under_load,
 )
 from .._errors import LaneError, StageError
 from .._util import one_failure, single_exceptions
@@ -110,6 +112,9 @@ class Speculating(Protocol):
 
     async def commit(self, token: int) -> bool:
         """Emit one committed token; True when generation must end (a stop string)."""
+
+    def load(self) -> float:
+        """How busy stage 0's compute has been lately (0..1): the pipeline's load."""
 
 
 class SpeculativeDecode:
@@ -235,14 +240,21 @@ class SpeculativeDecode:
         return sum(not window.stale for window in self.controller.scheduler.in_flight)
 
     async def fill(self) -> None:
-        """Open windows while the depth allows and the controller wants drafts."""
+        """Open windows while the depth allows and the controller wants drafts.
+
+        Under load the depth and the drafts shrink (`speculation_share`): rows other
+        requests' tokens need are not spent on guesses; as the load falls they grow back.
+        """
+        share = speculation_share(self.request.load()) if self.config.adaptive else 1.0
+        depth = max(1, under_load(self.depth.allowed, share))
         while (
-            self._live_in_flight() < self.depth.allowed
+            self._live_in_flight() < depth
             and (request := self.controller.next_draft_request()) is not None
         ):
             proposal: Sequence[int] = ()
-            if self.drafting and request.max_drafts > 0:
-                proposal = await self._propose(request.context, request.max_drafts)
+            drafts = under_load(request.max_drafts, share)
+            if self.drafting and drafts > 0:
+                proposal = await self._propose(request.context, drafts)
             opened = self.controller.open_window(proposal, now_ms=self.now_ms())
             if opened is None:
                 return  # no drafts for a continuation: wait for the next reply

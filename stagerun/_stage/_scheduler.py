@@ -32,7 +32,9 @@ from .._decide._ticks import DEFAULT_TICK_ROWS, Waiting, choose_tick
 from .._errors import ComputeCancelled
 from ..abc import ForwardItem, run_batch
 
-__all__ = ["TickScheduler"]
+__all__ = ["RECENT_SECONDS", "TickScheduler"]
+
+RECENT_SECONDS = 1.0  # the span over which `TickScheduler.recent_busy` measures the load
 
 
 class _Job:
@@ -70,6 +72,7 @@ class TickScheduler:
         self.busy_seconds = 0.0  # time in ticks' threads
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # items per tick
         self.started = time.perf_counter()
+        self._recent: collections.deque[tuple[float, float]] = collections.deque()  # (end, s)
 
     def __repr__(self) -> str:
         return (
@@ -85,6 +88,14 @@ class TickScheduler:
         """The share of the time since start that ticks were computing."""
         elapsed = time.perf_counter() - self.started
         return min(1.0, self.busy_seconds / elapsed) if elapsed > 0 else 0.0
+
+    def recent_busy(self, seconds: float = RECENT_SECONDS) -> float:
+        """The share of the last ``seconds`` that ticks were computing (the load right now)."""
+        now = time.perf_counter()
+        while self._recent and self._recent[0][0] < now - seconds:
+            self._recent.popleft()
+        busy = sum(min(took, end - (now - seconds)) for end, took in self._recent)
+        return min(1.0, busy / seconds)
 
     async def forward(
         self,
@@ -121,7 +132,9 @@ class TickScheduler:
             await trio.lowlevel.checkpoint()  # work that is ready now joins this tick
             jobs = self._take()
             if jobs:
+                start = time.perf_counter()
                 await trio.to_thread.run_sync(self._compute, jobs)
+                self._count(jobs, start, time.perf_counter())
         finally:
             self._running = None
             done.set()
@@ -140,7 +153,6 @@ class TickScheduler:
 
     def _compute(self, jobs: list[_Job]) -> None:
         """One tick, in the worker thread: every job gets its outcome."""
-        start = time.perf_counter()
         items = [job.item for job in jobs]
         try:
             with np.errstate(all="ignore"):  # what is not finite is refused by the caller
@@ -154,10 +166,14 @@ class TickScheduler:
             outcomes = [exc]
         for job, outcome in zip(jobs, outcomes, strict=True):
             job.outcome = outcome
-        self.busy_seconds += time.perf_counter() - start
+
+    def _count(self, jobs: list[_Job], start: float, end: float) -> None:
+        """Add a finished tick to the counters (on the Trio thread, like every reader)."""
+        self.busy_seconds += end - start
+        self._recent.append((end, end - start))
         self.ticks += 1
         self.items += len(jobs)
-        self.rows += sum(item.rows for item in items)
+        self.rows += sum(job.item.rows for job in jobs)
         self.batch_sizes[len(jobs)] += 1
 
 
