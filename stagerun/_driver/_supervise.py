@@ -26,7 +26,7 @@ import functools
 import logging
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal, Protocol, cast
 
 import attrs
@@ -36,6 +36,7 @@ from .. import _proto
 from .._errors import LaneError, StageError
 from .._wire._connect import open_connection
 from ._config import SupervisionPolicy
+from ._values import StageInfo
 
 log = logging.getLogger("stagerun.supervise")
 
@@ -115,6 +116,11 @@ class StageProcess:
     last_exit: int | None = None
     last_error: str | None = None
     spawn: Spawn = attrs.field(default=spawn_process, kw_only=True, repr=False)
+
+    @property
+    def running_pid(self) -> int | None:
+        """The child's pid while it serves; None while it starts, restarts or is stopped."""
+        return self.pid if self.state == "running" else None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"state": self.state, "restarts": self.restarts}
@@ -233,6 +239,16 @@ class StageProcess:
 async def _drain(stdout: trio.abc.ReceiveStream) -> None:
     while await stdout.receive_some(65536):
         pass
+
+
+def running_pids(stages: Iterable[StageInfo]) -> dict[int, int]:
+    """The pid of each supervised stage process serving now, by stage index.
+
+    A stage run as a task of this process (``inproc``) or joined from elsewhere (``remote``)
+    has no process of its own here, so none.
+    """
+    processes = ((s.index, s.process) for s in stages if isinstance(s.process, StageProcess))
+    return {i: p.running_pid for i, p in processes if p.running_pid is not None}
 
 
 def stage_command(argv: Sequence[str]) -> list[str]:

@@ -17,7 +17,8 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -27,10 +28,11 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._driver._pipeline import Pipeline
+from .._driver._values import StageHealth
 from .._proto import SamplingParams
 from ._admission import Admission, Ticket, default_kv_budget, kv_bytes_per_token
 from ._generation import GenerationResponse, json_message
-from ._metrics import CONTENT_TYPE, Metrics
+from ._metrics import CONTENT_TYPE, BusySampler, Metrics, tick_summary
 from ._openai import (
     ApiError,
     GenerationRequest,
@@ -121,6 +123,7 @@ def create_app(
         },
     )
     app.state.stagerun = state
+    app.state.busy = {"health": BusySampler(pipeline), "metrics": BusySampler(pipeline)}
     return RequestContext(app, state, api_key=api_key)
 
 
@@ -296,9 +299,29 @@ def _admit(state: ServerState, prompt_tokens: int, max_tokens: int) -> Ticket:
     return ticket
 
 
+def _busy(request: Request, endpoint: Literal["health", "metrics"]) -> dict[int, float]:
+    """Each stage's busy fraction since ``endpoint``'s previous call (see `BusySampler`)."""
+    sampler: BusySampler = request.app.state.busy[endpoint]
+    return sampler.sample()
+
+
+def _stage_entries(
+    pipeline: Pipeline, health: Sequence[StageHealth], busy: dict[int, float]
+) -> list[dict[str, Any]]:
+    """``/health``'s stages: each probe, its ``busy`` fraction, and stage 0's ``batch``."""
+    entries = [h.to_json() for h in health]
+    for entry in entries:
+        if entry["index"] in busy:
+            entry["busy"] = round(busy[entry["index"]], 4)
+        if entry["index"] == 0:
+            entry["batch"] = tick_summary(pipeline.scheduler)
+    return entries
+
+
 async def _health(request: Request) -> Response:
     state = _state(request)
     health = await state.pipeline.check_health(timeout=state.health_timeout)
+    busy = _busy(request, "health")
     healthy = all(h.available for h in health)
     pool = state.pipeline.pool
     lanes = None
@@ -314,7 +337,7 @@ async def _health(request: Request) -> Response:
     body = {
         "status": "ok" if healthy else "unhealthy",
         "model": state.model_id,
-        "stages": [h.to_json() for h in health],
+        "stages": _stage_entries(state.pipeline, health, busy),
         "lanes": lanes,
         "requests": {
             "running": adm.running,
@@ -337,6 +360,7 @@ async def _metrics(request: Request) -> Response:
         pool=state.pipeline.pool,
         health=health,
         pipeline=state.pipeline,
+        busy=_busy(request, "metrics"),
     )
     return PlainTextResponse(text, media_type=CONTENT_TYPE)
 

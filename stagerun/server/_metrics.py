@@ -2,24 +2,36 @@
 
 Counters and the duration histogram live in `Metrics`; gauges (requests in flight, lanes,
 stages up) are read from their owners when `/metrics` is scraped, so they are never stale.
+Stage 0's tick counts and batch sizes are its `TickScheduler`'s, read at scrape time too.
+
+Busy fractions are rates, so they need a window: a `BusySampler` compares what each stage
+has used now with what it had used at its previous call (its first call: since the sampler
+was made, at the server's start). `/metrics` and `/health` each keep their own, so a health
+checker polling does not shorten the scraper's window.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
 from .._driver._lanes import LanePool
 from .._driver._pipeline import Pipeline
+from .._driver._supervise import running_pids
 from .._driver._values import StageHealth
+from .._stage._scheduler import TickScheduler
 from ._admission import Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RUNNING_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _escape(value: str) -> str:
@@ -50,12 +62,109 @@ class Histogram:
     def __attrs_post_init__(self) -> None:
         self.counts = [0] * len(self.buckets)
 
-    def observe(self, value: float) -> None:
-        self.total += value
-        self.count += 1
+    @classmethod
+    def from_counts(cls, counts: Mapping[int, int], buckets: Sequence[float]) -> Histogram:
+        """The histogram of ``counts`` (value: times seen), such as a `collections.Counter`."""
+        hist = cls(buckets=buckets)
+        for value, times in counts.items():
+            hist.observe(value, times)
+        return hist
+
+    def observe(self, value: float, times: int = 1) -> None:
+        """Count ``value`` (``times`` times) in every bucket it fits: the buckets are cumulative."""
+        self.total += value * times
+        self.count += times
         for i, bound in enumerate(self.buckets):
             if value <= bound:
-                self.counts[i] += 1
+                self.counts[i] += times
+
+    def lines(self, name: str, help_text: str) -> list[str]:
+        """Its exposition as the unlabelled histogram ``name``."""
+        out = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        for bound, count in zip(self.buckets, self.counts, strict=True):
+            out.append(f'{name}_bucket{{le="{_number(bound)}"}} {count}')
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum {_number(self.total)}")
+        out.append(f"{name}_count {self.count}")
+        return out
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time process ``pid`` has used (Linux ``/proc``; None if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(b")", 1)[1].split()  # after the name, which may hold spaces or ")"
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+class BusySampler:
+    """Each stage's busy fraction over the time between two calls of `sample`.
+
+    Stage 0's is the share of the window its tick scheduler computed (at most 1). A supervised
+    stage process's is the CPU time it used (user + system) per second of the window, above 1
+    when it computes on several threads. Stages that run as tasks of this process (``inproc``)
+    or elsewhere (a topology, ``remote``) have no sample. A stage process restarted within the
+    window is measured from its start: what its predecessor used since the previous call is
+    lost.
+
+    Args:
+        pipeline: the pipeline whose stages are measured.
+        clock: seconds on a monotonic clock.
+        cpu: CPU seconds a pid has used (`cpu_seconds`).
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        cpu: Callable[[int], float | None] = cpu_seconds,
+    ) -> None:
+        self._pipeline, self._clock, self._cpu = pipeline, clock, cpu
+        self._at = clock()
+        self._used = self._read()
+
+    def __repr__(self) -> str:
+        return f"<BusySampler stages={sorted(self._used)} since={self._at:.3f}>"
+
+    def _read(self) -> dict[int, tuple[int | None, float]]:
+        """Each measured stage's (pid, seconds busy or on CPU so far); stage 0's pid is None."""
+        used: dict[int, tuple[int | None, float]] = {
+            0: (None, self._pipeline.scheduler.busy_seconds)
+        }
+        for index, pid in running_pids(self._pipeline.stages).items():
+            seconds = self._cpu(pid)
+            if seconds is not None:
+                used[index] = (pid, seconds)
+        return used
+
+    def sample(self) -> dict[int, float]:
+        """The busy fraction of each measured stage since the previous call, by stage index."""
+        now, used = self._clock(), self._read()
+        window = now - self._at
+        out: dict[int, float] = {}
+        for index, (pid, seconds) in used.items():
+            before_pid, before = self._used.get(index, (pid, 0.0))
+            if before_pid != pid:  # started within the window: all its time is in it
+                before = 0.0
+            if window > 0:
+                out[index] = max(0.0, seconds - before) / window
+        if 0 in out:
+            out[0] = min(1.0, out[0])  # a tick is counted when it ends, perhaps in a later window
+        self._at, self._used = now, used
+        return out
+
+
+def tick_summary(scheduler: TickScheduler) -> dict[str, Any]:
+    """``/health``'s view of a stage's ticks: how many, and the mean forwards one took."""
+    mean = scheduler.items / scheduler.ticks if scheduler.ticks else None
+    return {
+        "ticks": scheduler.ticks,
+        "mean_items_per_tick": None if mean is None else round(mean, 3),
+    }
 
 
 class Metrics:
@@ -114,8 +223,12 @@ class Metrics:
         pool: LanePool | None,
         health: Sequence[StageHealth],
         pipeline: Pipeline | None = None,
+        busy: Mapping[int, float] | None = None,
     ) -> str:
-        """The Prometheus text exposition of everything above plus the live gauges."""
+        """The Prometheus text exposition of everything above plus the live gauges.
+
+        ``busy`` is each stage's busy fraction by index (a `BusySampler`'s sample).
+        """
         out: list[str] = []
 
         def family(
@@ -162,13 +275,7 @@ class Metrics:
             ("stagerun_running_requests", "Requests running, sampled as each one starts.",
              self.running_at_admission),
         ):  # fmt: skip
-            out.append(f"# HELP {name} {help_text}")
-            out.append(f"# TYPE {name} histogram")
-            for bound, count in zip(hist.buckets, hist.counts, strict=True):
-                out.append(f'{name}_bucket{{le="{_number(bound)}"}} {count}')
-            out.append(f'{name}_bucket{{le="+Inf"}} {hist.count}')
-            out.append(f"{name}_sum {_number(hist.total)}")
-            out.append(f"{name}_count {hist.count}")
+            out.extend(hist.lines(name, help_text))
         family(
             "stagerun_prefill_chunks_total", "counter", "Prefill chunks sent through the stages.",
             [({}, self.prefill_chunks)],
@@ -203,6 +310,16 @@ class Metrics:
                     "Restarts of supervised stage processes.",
                     (({"stage": str(s.index)}, s.process.restarts) for s in processes),
                 )  # fmt: skip
+            _tick_families(family, out, pipeline.scheduler)
+        if busy is not None:
+            family(
+                "stagerun_stage_busy_ratio", "gauge",
+                "Share of the time since the previous scrape (the first: since the server "
+                "started) the stage computed: stage 0's ticks, or a stage process's CPU seconds "
+                "per second (above 1 on several threads). No sample for in-process or remote "
+                "stages.",
+                (({"stage": str(i)}, fraction) for i, fraction in sorted(busy.items())),
+            )  # fmt: skip
         family(
             "stagerun_client_disconnects_total", "counter",
             "Generations cancelled because the client went away.", [({}, self.disconnects)],
@@ -233,6 +350,24 @@ class Metrics:
             ),
         )
         return "\n".join(out) + "\n"
+
+
+def _tick_families(
+    family: Callable[[str, str, str, Iterable[tuple[Mapping[str, str], float]]], None],
+    out: list[str],
+    scheduler: TickScheduler,
+) -> None:
+    """Stage 0's tick counters (through ``family``) and batch size histogram, onto ``out``."""
+    family(
+        "stagerun_stage0_ticks_total", "counter", "Batched forwards stage 0 computed.",
+        [({}, scheduler.ticks)],
+    )  # fmt: skip
+    family(
+        "stagerun_stage0_rows_total", "counter", "Token rows stage 0's ticks computed.",
+        [({}, scheduler.rows)],
+    )  # fmt: skip
+    hist = Histogram.from_counts(scheduler.batch_sizes, BATCH_BUCKETS)
+    out.extend(hist.lines("stagerun_stage0_batch_size", "Forwards (requests) per stage 0 tick."))
 
 
 def _admission_families(
