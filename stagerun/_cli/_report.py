@@ -1,4 +1,4 @@
-"""Pictures for ``stagerun bench --png``: a hop-delay sweep and one request's stage timeline.
+"""Pictures for ``stagerun bench --png``: a hop-delay sweep and the requests' stage timeline.
 
 The timeline is rebuilt from ``debug`` telemetry alone (the JSON lines every process of a
 pipeline appends to one trace file), so what it shows is what an operator's own trace would
@@ -7,12 +7,18 @@ show: per stage, the spans of compute (``stage.binary_llama_decode``) and of for
 window diverged first) or was stopped mid-way, which is wasted work; and, between them, the
 time the stage spent waiting for something to do while the request was open on it.
 
+Several requests go on one time origin (`requests_timeline`). A stage computes in ticks, one
+batched forward over the ready work of every request, and traces that tick once per request
+it covered: the same start and end in each. So a stage's busy time is the union of its
+requests' compute spans, never their sum.
+
 Plotting needs matplotlib (``pip install 'stagerun[plot]'``); building a `Timeline` does not.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -23,12 +29,16 @@ from .._errors import StagerunError
 from ..telemetry import Record
 
 __all__ = [
+    "RequestsTimeline",
     "Segment",
     "Timeline",
+    "finished_requests",
     "load_trace",
     "plot_hop_sweep",
+    "plot_requests_timeline",
     "plot_timeline",
     "request_timeline",
+    "requests_timeline",
 ]
 
 Kind = Literal["compute", "write", "wait", "stale"]
@@ -39,13 +49,17 @@ COLOURS: Mapping[Kind, str] = {
     "wait": "#d9d9d9",
     "stale": "#c0392b",
 }
+BUSY: tuple[Kind, ...] = ("compute", "stale")  # what a stage's busy time counts
+# One colour per request, in the order the requests began; none is the grey of waiting.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
+_SUMMARY = "stage.openai_generation_summary"
 _REQUEST = "llama_stage.request_id"
 _STAGE = "llama_stage.stage_index"
 
 
 @attrs.frozen
 class Segment:
-    """``kind`` on ``stage`` from ``start_ms`` to ``end_ms`` after the request began."""
+    """``kind`` on ``stage`` from ``start_ms`` to ``end_ms`` after the origin of its `Timeline`."""
 
     stage: int
     kind: Kind
@@ -59,7 +73,12 @@ class Segment:
 
 @attrs.frozen
 class Timeline:
-    """One request seen from every stage."""
+    """One request seen from every stage.
+
+    Times are milliseconds after an origin: the request's own start, or, among others built
+    with it by `requests_timeline`, the start of the first of them. The request began
+    ``start_ms`` after the origin and ran ``elapsed_ms``.
+    """
 
     request_id: int
     stages: int
@@ -68,6 +87,7 @@ class Timeline:
     windows: int
     stale_windows: int
     tokens: int = 0  # completion tokens
+    start_ms: float = 0.0
 
     def totals(self) -> list[dict[str, float]]:
         """Milliseconds of each kind, per stage."""
@@ -75,6 +95,54 @@ class Timeline:
         for segment in self.segments:
             out[segment.stage][segment.kind] += segment.ms
         return [{kind: round(ms, 3) for kind, ms in row.items()} for row in out]
+
+
+@attrs.frozen
+class RequestsTimeline:
+    """Several requests seen from every stage, on one origin: the start of the first of them.
+
+    ``timelines`` are in the order the requests began (then by id). That order picks each
+    request's colour, so the same requests are always drawn the same way.
+    """
+
+    stages: int
+    elapsed_ms: float  # from the origin to the end of the last request
+    timelines: tuple[Timeline, ...]
+
+    def colours(self) -> dict[int, str]:
+        """Each request's colour in the pictures, by request id (the palette repeats after 8)."""
+        return {t.request_id: PALETTE[i % len(PALETTE)] for i, t in enumerate(self.timelines)}
+
+    def busy_ms(self) -> list[float]:
+        """Per stage, the time it computed for any of the requests (stale work included).
+
+        The union of the requests' compute spans, not their sum: one tick covers several.
+        """
+        out = []
+        for stage in range(self.stages):
+            spans = sorted(
+                (s.start_ms, s.end_ms)
+                for t in self.timelines
+                for s in t.segments
+                if s.stage == stage and s.kind in BUSY
+            )
+            out.append(round(_union_ms(spans), 3))
+        return out
+
+    def busy_fractions(self) -> list[float]:
+        """Per stage, `busy_ms` as a fraction of ``elapsed_ms``."""
+        elapsed = self.elapsed_ms
+        return [ms / elapsed if elapsed > 0 else 0.0 for ms in self.busy_ms()]
+
+
+def _union_ms(spans: Sequence[tuple[float, float]]) -> float:
+    """How long the (start, end) ``spans``, sorted by start, cover: overlaps count once."""
+    total, cursor = 0.0, -math.inf
+    for start, end in spans:
+        if end > cursor:
+            total += end - max(start, cursor)
+            cursor = end
+    return total
 
 
 def load_trace(path: str | pathlib.Path) -> list[Record]:
@@ -122,11 +190,60 @@ def request_timeline(records: Iterable[Record], request_id: int | str | None = N
         ValueError: the trace has no finished request, or lacks the ``debug`` spans.
     """
     records = list(records)
-    summary = _summary(records, request_id)
+    summary = _pick(_summaries(records), request_id)
     request_id = int(summary.attributes[_REQUEST])
     mine = [r for r in records if r.attributes.get(_REQUEST) == request_id]
+    return _timeline(summary, mine, summary.start_ns)
+
+
+def requests_timeline(
+    records: Iterable[Record], request_ids: Sequence[int | str] | None = None
+) -> RequestsTimeline:
+    """Build the timelines of ``request_ids`` (default: every finished request) on one origin.
+
+    Each of ``request_ids`` is what `request_timeline` takes, an id or a label, and each
+    `Timeline` is the one `request_timeline` builds, moved to the common origin: the start of
+    the first of the requests to begin.
+
+    Raises:
+        ValueError: the trace has no finished request, lacks one of ``request_ids``, or lacks
+            the ``debug`` spans.
+    """
+    records = list(records)
+    picked = _picked(_summaries(records), request_ids)
+    if not picked:
+        raise ValueError("the trace holds no finished request (stage.openai_generation_summary)")
+    mine: dict[int, list[Record]] = {request_id: [] for request_id in picked}
+    for r in records:
+        request_id = r.attributes.get(_REQUEST)
+        if isinstance(request_id, int) and request_id in mine:
+            mine[request_id].append(r)
+    origin = min(summary.start_ns for summary in picked.values())
+    timelines = sorted(
+        (_timeline(summary, mine[request_id], origin) for request_id, summary in picked.items()),
+        key=lambda t: (t.start_ms, t.request_id),
+    )
+    return RequestsTimeline(
+        stages=max(t.stages for t in timelines),
+        elapsed_ms=_ms(max(summary.end_ns for summary in picked.values()), origin),
+        timelines=tuple(timelines),
+    )
+
+
+def finished_requests(records: Iterable[Record]) -> list[int]:
+    """The ids of the requests that finished in the trace, in the order they finished."""
+    latest = _picked(_summaries(list(records)), None)
+    return sorted(latest, key=lambda request_id: latest[request_id].end_ns)
+
+
+def _timeline(summary: Record, mine: Sequence[Record], origin: int) -> Timeline:
+    """The timeline of the request ``summary`` closes, from its records ``mine``.
+
+    Times are milliseconds after ``origin`` (nanoseconds): the request's start, or an earlier
+    one shared with other requests.
+    """
+    request_id = int(summary.attributes[_REQUEST])
     stages = int(summary.attributes.get("llama_stage.stages", 1))
-    t0 = summary.start_ns
     windows = [r for r in mine if r.name == "stage.openai_decode_verify_window"]
     stale_ids = {
         r.attributes["llama_stage.verify_window_id"]
@@ -134,26 +251,28 @@ def request_timeline(records: Iterable[Record], request_id: int | str | None = N
         if r.attributes.get("llama_stage.verify_window_stale")
         or r.attributes.get("llama_stage.verify_window_cancelled")
     }
-    busy = _busy(mine, stages, stale_ids, t0)
+    busy = _busy(mine, stages, stale_ids, origin)
     if not any(busy):
         raise ValueError(
             f"request {request_id} has no compute spans: record the trace at the debug level"
         )
-    extents = _extents(summary, mine)
+    extents = _extents(summary, mine, origin)
+    opened = (_ms(summary.start_ns, origin), _ms(summary.end_ns, origin))
     segments: list[Segment] = []
     for stage, spans in enumerate(busy):
         spans.sort(key=lambda s: s.start_ms)
         segments.extend(spans)
-        begin, end = extents.get(stage, (0.0, _ms(summary.end_ns, t0)))
+        begin, end = extents.get(stage, opened)
         segments.extend(_gaps(stage, spans, begin, end))
     return Timeline(
         request_id=request_id,
         stages=stages,
-        elapsed_ms=_ms(summary.end_ns, t0),
+        elapsed_ms=(summary.end_ns - summary.start_ns) / 1e6,
         segments=tuple(sorted(segments, key=lambda s: (s.stage, s.start_ms))),
         windows=len(windows),
         stale_windows=len(stale_ids),
         tokens=int(summary.attributes.get("llama_stage.completion_token_count", 0)),
+        start_ms=opened[0],
     )
 
 
@@ -162,9 +281,13 @@ def _ms(ns: int, t0: int) -> float:
     return (ns - t0) / 1e6
 
 
-def _summary(records: Sequence[Record], request_id: int | str | None) -> Record:
-    """The generation summary of ``request_id`` (an id or a label), else the last to finish."""
-    summaries = [r for r in records if r.name == "stage.openai_generation_summary"]
+def _summaries(records: Sequence[Record]) -> list[Record]:
+    """The generation summaries in ``records``: one per finished request."""
+    return [r for r in records if r.name == _SUMMARY]
+
+
+def _pick(summaries: Sequence[Record], request_id: int | str | None) -> Record:
+    """The summary of ``request_id`` (an id or a label), else the last to finish."""
     if request_id is not None:
         key = _REQUEST if isinstance(request_id, int) else "stagerun.request_label"
         summaries = [r for r in summaries if r.attributes.get(key) == request_id]
@@ -173,6 +296,23 @@ def _summary(records: Sequence[Record], request_id: int | str | None) -> Record:
     if not summaries:
         raise ValueError("the trace holds no finished request (stage.openai_generation_summary)")
     return max(summaries, key=lambda r: r.end_ns)
+
+
+def _picked(
+    summaries: Sequence[Record], request_ids: Sequence[int | str] | None
+) -> dict[int, Record]:
+    """By request id, the summary of each of ``request_ids`` (default: every request's)."""
+    latest: dict[int, Record] = {}
+    for summary in sorted(summaries, key=lambda r: r.end_ns):
+        latest[int(summary.attributes[_REQUEST])] = summary
+    if request_ids is None:
+        return latest
+    picked: dict[int, Record] = {}
+    for wanted in request_ids:
+        found = latest.get(wanted) if isinstance(wanted, int) else None
+        summary = found if found is not None else _pick(summaries, wanted)  # raises if absent
+        picked[int(summary.attributes[_REQUEST])] = summary
+    return picked
 
 
 def _busy(mine: Sequence[Record], stages: int, stale_ids: set[Any], t0: int) -> list[list[Segment]]:
@@ -196,16 +336,15 @@ def _busy(mine: Sequence[Record], stages: int, stale_ids: set[Any], t0: int) -> 
     return busy
 
 
-def _extents(summary: Record, mine: Sequence[Record]) -> dict[int, tuple[float, float]]:
+def _extents(summary: Record, mine: Sequence[Record], t0: int) -> dict[int, tuple[float, float]]:
     """How long the request was open on each stage: stage 0's summary, the stages' own.
 
     After a recovery, stage 0's row starts at the first record under the final id: what came
     before (the failed lane, detection, backoff) belongs to ids this timeline doesn't show.
     """
-    t0 = summary.start_ns
     begin0 = summary.start_ns
     if summary.attributes.get("llama_stage.recoveries", 0):
-        spanning = ("stage.openai_generation_summary", "stage.openai_decode")
+        spanning = (_SUMMARY, "stage.openai_decode")
         begin0 = min(
             (r.start_ns for r in mine
              if r.name not in spanning and r.attributes.get(_STAGE, 0) == 0),
@@ -268,7 +407,7 @@ def plot_timeline(timeline: Timeline, path: str | pathlib.Path, *, title: str = 
         axes.set_yticks(range(timeline.stages))
         axes.set_yticklabels([f"stage {i}" for i in range(timeline.stages)])
         axes.invert_yaxis()
-        axes.set_xlim(0, timeline.elapsed_ms)
+        axes.set_xlim(timeline.start_ms, timeline.start_ms + timeline.elapsed_ms)
         axes.set_xlabel("milliseconds since the request began")
         totals = timeline.totals()
         stale = sum(row["stale"] for row in totals)
@@ -283,6 +422,69 @@ def plot_timeline(timeline: Timeline, path: str | pathlib.Path, *, title: str = 
         figure.savefig(path)
     finally:
         plt.close(figure)
+
+
+def plot_requests_timeline(
+    shared: RequestsTimeline, path: str | pathlib.Path, *, title: str = ""
+) -> None:
+    """Per stage a group of rows, one per request in its colour, on the requests' common clock.
+
+    Compute is solid, forward writes pale, stale work hatched and waiting grey. Bars that line
+    up across a stage's rows are one tick computing those requests together.
+    """
+    plt = require_matplotlib()
+    n, stages = len(shared.timelines), shared.stages
+    pitch = n + 0.6  # a stage's rows, then a gap before the next stage's
+    row_inches = min(0.3, 14 / (stages * pitch))
+    figure, axes = plt.subplots(
+        figsize=(11, 1.8 + row_inches * stages * pitch), dpi=120, layout="constrained"
+    )
+    colours = shared.colours()
+    try:
+        for row, timeline in enumerate(shared.timelines):
+            for stage in range(stages):
+                _draw_row(axes, timeline, stage, stage * pitch + row, colours[timeline.request_id])
+        busy = shared.busy_fractions()
+        axes.set_yticks([stage * pitch + (n - 1) / 2 for stage in range(stages)])
+        axes.set_yticklabels([f"stage {i}\n{busy[i]:.0%} busy" for i in range(stages)])
+        for stage in range(1, stages):
+            axes.axhline(stage * pitch - 0.8, color="#808080", linewidth=0.6)
+        axes.invert_yaxis()
+        axes.set_xlim(0, shared.elapsed_ms)
+        axes.set_xlabel("milliseconds since the first request began")
+        axes.set_title(title or f"{n} requests, {stages} stages", fontsize=10)
+        handles = [
+            plt.Rectangle((0, 0), 1, 1, color=colours[t.request_id]) for t in shared.timelines
+        ]
+        labels = [f"request {t.request_id}" for t in shared.timelines]
+        handles += [plt.Rectangle((0, 0), 1, 1, **_style(k, "#404040")) for k in KINDS]
+        labels += ["compute", "write (pale)", "wait", "stale (hatched)"]
+        columns = 1 + len(labels) // 24  # a column beside the rows, however long the ids
+        figure.legend(handles, labels, loc="outside right upper", ncol=columns, frameon=False)
+        figure.savefig(path)
+    finally:
+        plt.close(figure)
+
+
+def _style(kind: Kind, colour: str) -> dict[str, Any]:
+    """How a segment of ``kind`` is drawn in its request's ``colour``; waiting is always grey."""
+    if kind == "wait":
+        return {"facecolor": COLOURS["wait"]}
+    extra: dict[str, dict[str, Any]] = {
+        "write": {"alpha": 0.4},
+        "stale": {"hatch": "////", "edgecolor": "white"},
+    }
+    return {"facecolor": colour, **extra.get(kind, {})}
+
+
+def _draw_row(axes: Any, timeline: Timeline, stage: int, y: float, colour: str) -> None:
+    """``timeline``'s segments on ``stage`` as one row of bars at ``y``, in ``colour``."""
+    for kind in KINDS:
+        bars = [
+            (s.start_ms, s.ms) for s in timeline.segments if s.stage == stage and s.kind == kind
+        ]
+        if bars:
+            axes.broken_barh(bars, (y - 0.4, 0.8), linewidth=0, **_style(kind, colour))
 
 
 def plot_hop_sweep(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -15,9 +16,11 @@ from ..._proto import SamplingParams
 from ._common import bench_pipeline, say
 
 if TYPE_CHECKING:
+    from ... import telemetry
     from ..._driver._config import SpeculationConfig
     from ..._driver._pipeline import Pipeline
-    from .._report import Timeline
+    from ...telemetry import Record
+    from .._report import RequestsTimeline, Timeline
 
 SPECULATIVE_PROMPTS = {
     "repeat": "Repeat the following text exactly, word for word: The lighthouse keeper climbed "
@@ -214,25 +217,49 @@ def _speculative_report(
     }
 
 
+# The prompts of ``bench timeline --requests N``: the first N, ``--prompt`` first of all.
+TIMELINE_PROMPTS = {
+    **SPECULATIVE_PROMPTS,
+    "sort-list": "Copy this shopping list, one item per line, in alphabetical order: pears, "
+    "bread, coffee, apples, milk, rice, butter, onions, tea, cheese, lemons, flour, eggs, "
+    "carrots, honey, salt, yoghurt, beans, pasta and oranges.",
+    "to-json": "Write this as a JSON list of objects with the keys name, city and age: Maria "
+    "Lopez, 34, lives in Valencia. Tom Becker, 51, lives in Hamburg. Aiko Tanaka, 27, lives in "
+    "Osaka. Samuel Okafor, 45, lives in Lagos. Ingrid Holm, 62, lives in Bergen.",
+    "quote": "Quote the first two sentences of this passage exactly, then say who wrote it: "
+    "It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, "
+    "his chin nuzzled into his breast in an effort to escape the vile wind, slipped quickly "
+    "through the glass doors of Victory Mansions, though not quickly enough to prevent a "
+    "swirl of gritty dust from entering along with him.",
+}
+
+
 async def bench_timeline(args: argparse.Namespace) -> int:
-    """Trace one speculative request at the debug level and lay it out per stage.
+    """Trace speculative requests at the debug level and lay them out per stage.
+
+    One request by default. ``--requests N`` runs N at once, on different prompts, and lays
+    out all of them, a row per request on every stage: stages computing different requests
+    at the same time, and one tick computing several, show as bars that line up.
 
     With ``--from-trace`` nothing runs: the request (``--request-id``, else the last one to
-    finish) is rebuilt from an existing debug trace, such as a served pipeline's.
+    finish), or the last N to finish (``--requests N``, or ``all``), are rebuilt from an
+    existing debug trace, such as a served pipeline's.
     """
-    from .._report import load_trace, plot_timeline, request_timeline
+    from .._report import load_trace, request_timeline
 
+    count = _timeline_count(args)
     if args.png:
         from .._report import require_matplotlib
 
         require_matplotlib()
     report: dict[str, Any] = {"benchmark": "timeline"}
+    setting = None  # how the pipeline ran, when this run ran it
     if args.from_trace:
-        timeline = request_timeline(load_trace(args.from_trace), args.request_id)
+        records = load_trace(args.from_trace)
         report["trace"] = str(args.from_trace)
-        title = f"request {timeline.request_id} on {timeline.stages} stages"
     else:
-        timeline = await _trace_one_request(args)
+        prompts = [args.prompt, *(name for name in TIMELINE_PROMPTS if name != args.prompt)]
+        records = await _trace_requests(args, prompts[:count])
         report.update(
             model=str(args.model),
             mode="inproc" if args.inproc else "processes",
@@ -241,10 +268,38 @@ async def bench_timeline(args: argparse.Namespace) -> int:
             window=args.window,
             prompt=args.prompt,
         )
-        title = (
-            f"one request, {args.stages} stages, hop delay {args.hop_delay_ms:g} ms, "
-            f"depth {args.depth}"
-        )
+        if count != 1:
+            report["prompts"] = prompts[:count]
+        setting = f"{args.stages} stages, hop delay {args.hop_delay_ms:g} ms, depth {args.depth}"
+    if count == 1:
+        request_id = args.request_id if args.from_trace else None
+        _report_one(args, request_timeline(records, request_id), report, setting)
+    else:
+        _report_many(args, records, count, report, setting)
+    return 0
+
+
+def _timeline_count(args: argparse.Namespace) -> int | None:
+    """How many requests to lay out (None: every request of the trace), checked first."""
+    count: int | str = args.requests
+    if args.request_id is not None and count != 1:
+        raise ValueError("give either --request-id or --requests, not both")
+    if count == "all":
+        if not args.from_trace:
+            raise ValueError("--requests all lays out the requests of a trace: add --from-trace")
+        return None
+    assert isinstance(count, int)
+    if not args.from_trace and count > len(TIMELINE_PROMPTS):
+        raise ValueError(f"--requests runs at most {len(TIMELINE_PROMPTS)}, one per prompt")
+    return count
+
+
+def _report_one(
+    args: argparse.Namespace, timeline: Timeline, report: dict[str, Any], setting: str | None
+) -> None:
+    """Print (and draw) one request's timeline: per stage, each kind's milliseconds."""
+    from .._report import plot_timeline
+
     totals = timeline.totals()
     report.update(
         request_id=timeline.request_id,
@@ -256,12 +311,16 @@ async def bench_timeline(args: argparse.Namespace) -> int:
         per_stage_ms=totals,
     )
     if args.png:
+        if setting:
+            title = f"one request, {setting}"
+        else:
+            title = f"request {timeline.request_id} on {timeline.stages} stages"
         title += f": {timeline.windows} verify windows, {timeline.stale_windows} stale"
         plot_timeline(timeline, args.png, title=title)
         say(args, f"wrote {args.png}")
     if args.json:
         print(json.dumps(report))
-        return 0
+        return
     print(
         f"request: {timeline.tokens} tokens in {report['elapsed_ms']:.1f} ms, "
         f"{timeline.windows} verify windows, {timeline.stale_windows} stale"
@@ -271,41 +330,91 @@ async def bench_timeline(args: argparse.Namespace) -> int:
             f"stage {stage}: compute {row['compute']:8.1f} ms  write {row['write']:7.1f} ms  "
             f"wait {row['wait']:8.1f} ms  stale {row['stale']:7.1f} ms"
         )
-    return 0
 
 
-async def _trace_one_request(args: argparse.Namespace) -> Timeline:
-    """Run one speculative request with every process tracing at debug into one file."""
-    import tempfile
+def _report_many(
+    args: argparse.Namespace,
+    records: list[Record],
+    count: int | None,
+    report: dict[str, Any],
+    setting: str | None,
+) -> None:
+    """Print (and draw) the last ``count`` requests to finish (None: all of them) together."""
+    from .._report import finished_requests, plot_requests_timeline, requests_timeline
 
+    request_ids = finished_requests(records)
+    if count is not None:
+        if len(request_ids) < count:
+            raise ValueError(
+                f"the trace holds {len(request_ids)} finished requests, not {count}: "
+                "ask for fewer, or for --requests all"
+            )
+        request_ids = request_ids[-count:]
+    shared = requests_timeline(records, request_ids)
+    report.update(_requests_report(shared))
+    if args.png:
+        title = f"{len(shared.timelines)} requests, {setting or f'{shared.stages} stages'}"
+        plot_requests_timeline(shared, args.png, title=title)
+        say(args, f"wrote {args.png}")
+    if args.json:
+        print(json.dumps(report))
+        return
+    _print_requests(report)
+
+
+def _print_requests(report: dict[str, Any]) -> None:
+    """Several requests' report as text: each stage's busy time, then each request."""
+    requests, elapsed = report["requests"], report["elapsed_ms"]
+    print(f"{len(requests)} requests on {report['stages']} stages in {elapsed:.1f} ms")
+    for stage, row in enumerate(report["per_stage_busy"]):
+        busy, fraction = row["busy_ms"], row["busy_fraction"]
+        print(f"stage {stage}: busy {busy:8.1f} ms ({fraction:6.1%} of the run)")
+    for row in requests:
+        print(
+            f"request {row['request_id']}: {row['tokens']} tokens in {row['elapsed_ms']:.1f} ms "
+            f"from {row['start_ms']:.1f} ms, {row['verify_windows']} verify windows, "
+            f"{row['stale_windows']} stale"
+        )
+
+
+def _requests_report(shared: RequestsTimeline) -> dict[str, Any]:
+    """The JSON of several requests: per stage its busy time (a union), then each request."""
+    busy = zip(shared.busy_ms(), shared.busy_fractions(), strict=True)
+    return {
+        "stages": shared.stages,
+        "elapsed_ms": round(shared.elapsed_ms, 2),
+        "per_stage_busy": [{"busy_ms": ms, "busy_fraction": round(f, 4)} for ms, f in busy],
+        "requests": [
+            {
+                "request_id": t.request_id,
+                "tokens": t.tokens,
+                "start_ms": round(t.start_ms, 2),
+                "elapsed_ms": round(t.elapsed_ms, 2),
+                "verify_windows": t.windows,
+                "stale_windows": t.stale_windows,
+                "per_stage_ms": t.totals(),
+            }
+            for t in shared.timelines
+        ],
+    }
+
+
+async def _trace_requests(args: argparse.Namespace, prompts: list[str]) -> list[Record]:
+    """Run the ``prompts`` (their names) at once, every process tracing at debug to one file."""
     from ... import telemetry
     from ..._driver._config import SpeculationConfig
-    from .._report import load_trace, request_timeline
+    from .._report import load_trace
 
     mode = "inproc" if args.inproc else "processes"
     threads = args.threads if args.threads is not None else 1
     spec = SpeculationConfig("ngram", depth=args.depth, window=args.window)
-    prompt = SPECULATIVE_PROMPTS[args.prompt]
+    what = "one request" if len(prompts) == 1 else f"{len(prompts)} requests"
     with contextlib.ExitStack() as cleanup:
-        trace = args.trace
-        if trace is None:
-            trace = cleanup.enter_context(tempfile.TemporaryDirectory()) + "/trace.jsonl"
-        else:
-            trace = str(await trio.Path(trace).absolute())  # stage processes append here too
-            await trio.Path(trace).unlink(missing_ok=True)  # the trace of this run only
-        # Stage processes read their telemetry settings from the environment they inherit.
-        saved = {k: os.environ.get(k) for k in ("STAGERUN_TELEMETRY", "STAGERUN_TELEMETRY_JSONL")}
-        os.environ.update(STAGERUN_TELEMETRY="debug", STAGERUN_TELEMETRY_JSONL=trace)
-        cleanup.callback(_restore_env, saved)
-        tel = telemetry.Telemetry(
-            "debug", [telemetry.JsonLinesSink(trace)], capacity=1 << 16,
-            common={"stagerun.stage_id": 0},
-        )  # fmt: skip
-        previous = telemetry.set_current(tel)
-        cleanup.callback(telemetry.set_current, previous)
+        trace = await _trace_path(args.trace, cleanup)
+        tel = _trace_at_debug(trace, cleanup)
         say(
             args,
-            f"tracing one request on a {args.stages}-stage pipeline ({mode}, hop delay "
+            f"tracing {what} on a {args.stages}-stage pipeline ({mode}, hop delay "
             f"{args.hop_delay_ms} ms, depth {args.depth}, window {args.window})",
         )
         async with (
@@ -315,10 +424,48 @@ async def _trace_one_request(args: argparse.Namespace) -> Timeline:
             ) as pipeline,
         ):
             await pipeline.complete("Hello", max_tokens=4, speculation=spec)  # warm-up
-            await pipeline.complete(prompt, chat=True, max_tokens=args.tokens, speculation=spec)
+            async with trio.open_nursery() as nursery:
+                for name in prompts:
+                    nursery.start_soon(
+                        functools.partial(
+                            pipeline.complete,
+                            TIMELINE_PROMPTS[name],
+                            chat=True,
+                            max_tokens=args.tokens,
+                            speculation=spec,
+                        )
+                    )
         if tel.dropped:
             say(args, f"warning: {tel.dropped} telemetry records were dropped")
-        return request_timeline(load_trace(trace))
+        return load_trace(trace)
+
+
+async def _trace_path(path: str | None, cleanup: contextlib.ExitStack) -> str:
+    """Where this run's trace goes: ``path`` (emptied first), else a temporary file."""
+    import tempfile
+
+    if path is None:
+        return cleanup.enter_context(tempfile.TemporaryDirectory()) + "/trace.jsonl"
+    trace = str(await trio.Path(path).absolute())  # stage processes append here too
+    await trio.Path(trace).unlink(missing_ok=True)  # the trace of this run only
+    return trace
+
+
+def _trace_at_debug(trace: str, cleanup: contextlib.ExitStack) -> telemetry.Telemetry:
+    """Trace this process and the stage processes it starts at debug into ``trace``."""
+    from ... import telemetry
+
+    # Stage processes read their telemetry settings from the environment they inherit.
+    saved = {k: os.environ.get(k) for k in ("STAGERUN_TELEMETRY", "STAGERUN_TELEMETRY_JSONL")}
+    os.environ.update(STAGERUN_TELEMETRY="debug", STAGERUN_TELEMETRY_JSONL=trace)
+    cleanup.callback(_restore_env, saved)
+    tel = telemetry.Telemetry(
+        "debug", [telemetry.JsonLinesSink(trace)], capacity=1 << 16,
+        common={"stagerun.stage_id": 0},
+    )  # fmt: skip
+    previous = telemetry.set_current(tel)
+    cleanup.callback(telemetry.set_current, previous)
+    return tel
 
 
 def _restore_env(saved: dict[str, str | None]) -> None:
