@@ -112,8 +112,20 @@ def _add_speculative(bench_sub: _SubParsers) -> None:
 def _add_timeline(bench_sub: _SubParsers) -> None:
     timeline = bench_sub.add_parser(
         "timeline",
-        help="one speculative request traced on every stage: compute, write, wait, stale work",
+        help="speculative requests traced on every stage: compute, write, wait, stale work",
     )
+
+    def request_count(text: str) -> int | str:
+        if text == "all":
+            return text
+        try:
+            count = int(text)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"--requests takes a count or 'all', not {text!r}")
+        return count
+
     timeline.add_argument("--stages", type=int, default=3)
     timeline.add_argument("--depth", type=int, default=4, help="verify windows in flight")
     timeline.add_argument("--window", type=int, default=4, help="draft tokens per window")
@@ -138,6 +150,15 @@ def _add_timeline(bench_sub: _SubParsers) -> None:
         help="with --from-trace: the request to draw, by its id in the trace "
         "(llama_stage.request_id) or by the x-request-id it was served under (default: the "
         "last one to finish)",
+    )
+    timeline.add_argument(
+        "--requests",
+        type=request_count,
+        default=1,
+        metavar="N",
+        help="run N requests at once, on different prompts (--prompt first), and lay out all "
+        "of them, a row each on every stage; with --from-trace, the last N to finish, or "
+        "'all' (default 1)",
     )
     timeline.add_argument("--json", action="store_true")
     _png_option(timeline, "the timeline")
@@ -173,8 +194,10 @@ def _add_load(bench_sub: _SubParsers) -> None:
     load.add_argument("--clients", type=int, default=16)
     load.add_argument("--max-tokens", type=int, default=24)
     load.add_argument("--stages", type=int, default=3)
-    load.add_argument("--parallel", type=int, default=4, help="the server's --parallel")
-    load.add_argument("--max-queue", type=int, default=8, help="the server's --max-queue")
+    load.add_argument("--max-batch", "--parallel", type=int, default=None, dest="max_batch",
+                      help="the server's --max-batch (default: the server's default)")  # fmt: skip
+    load.add_argument("--max-queue", type=int, default=None,
+                      help="the server's --max-queue (default: the server's default)")  # fmt: skip
     load.add_argument("--model", default="smollm2")
     load.add_argument("--json", action="store_true")
 
@@ -203,6 +226,9 @@ def _add_serve(bench_sub: _SubParsers) -> None:
     )  # fmt: skip
     serve.add_argument("--speculative", default="off", metavar="DRAFTER",
                        help="the server's --speculative (default off)")  # fmt: skip
+    serve.add_argument("--prompts", choices=("story", "copy"), default="story",
+                       help="story: open continuations (default); copy: input-grounded "
+                       "prompts a drafter can predict")  # fmt: skip
     serve.add_argument("--depth", type=int, default=None, help="the server's --depth")
     serve.add_argument("--window", type=int, default=None, help="the server's --window")
     serve.add_argument("--draft-model", default=None, help="the server's --draft-model")

@@ -129,7 +129,7 @@ class StreamReader:
         if "error" in chunk:
             raise StagerunError(f"the server failed a streamed request: {chunk['error']}")
         for choice in chunk.get("choices") or ():
-            if text := choice.get("text") or "":
+            if text := choice.get("text") or (choice.get("delta") or {}).get("content") or "":
                 self.parts.append(text)
                 self.stamps.append(now)
         usage, timings = chunk.get("usage"), chunk.get("timings")
@@ -200,20 +200,27 @@ class _Target:
     model: str
     prompts: tuple[str, ...]
     tokens: int
+    chat: bool = False  # /v1/chat/completions, each prompt one user message
     rejected: int = 0  # 429 answers, each retried
 
     async def complete(self, prompt: int) -> Sample:
         """Stream one completion of prompt ``prompt`` to its end; retry while it gets 429."""
-        body = json.dumps(
-            {"model": self.model, "prompt": self.prompts[prompt], "max_tokens": self.tokens,
-             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-        ).encode()  # fmt: skip
+        request: dict[str, Any] = {
+            "model": self.model, "max_tokens": self.tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        if self.chat:
+            request["messages"] = [{"role": "user", "content": self.prompts[prompt]}]
+        else:
+            request["prompt"] = self.prompts[prompt]
+        body = json.dumps(request).encode()
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
         while True:
             reader = StreamReader(started=time.perf_counter())
             try:
                 with trio.fail_after(_REQUEST_TIMEOUT_S):
                     status, text = await http_exchange(
-                        self.port, "POST", "/v1/completions", body, reader.receive_data
+                        self.port, "POST", path, body, reader.receive_data
                     )
             except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 raise StagerunError(f"{self.name} did not answer a completion: {exc!r}") from exc
@@ -413,7 +420,7 @@ async def _measure_stagerun(args: argparse.Namespace, prompts: tuple[str, ...]) 
     say(args, "starting " + " ".join(cmd[2:]))
     async with _launched(cmd, port, "stagerun serve") as proc:
         target = _Target("stagerun", port, proc.pid, served_model_id(args.model), prompts,
-                         args.tokens)  # fmt: skip
+                         args.tokens, chat=args.prompts == "copy")  # fmt: skip
         solo = await _solo(target)
         say(args, f"stagerun: {len(prompts)} prompts completed alone")
         levels = [await _measure_level(args, target, n, solo) for n in args.clients]
@@ -456,7 +463,8 @@ async def _measure_llama(args: argparse.Namespace, prompts: tuple[str, ...]) -> 
         cmd = llama_command(args, gguf, clients, port)
         say(args, "starting " + " ".join(cmd))
         async with _launched(cmd, port, "llama-server") as proc:
-            target = _Target("llama-server", port, proc.pid, gguf.stem, prompts, args.tokens)
+            target = _Target("llama-server", port, proc.pid, gguf.stem, prompts, args.tokens,
+                             chat=args.prompts == "copy")  # fmt: skip
             if solo is None:
                 solo = await _solo(target)
             else:
@@ -482,15 +490,26 @@ def _check(args: argparse.Namespace) -> None:
         require_matplotlib()  # fail before minutes of measuring, not after
 
 
+def _prompts(kind: str, clients: int) -> tuple[str, ...]:
+    """``story``: open continuations, one per client; ``copy``: input-grounded chat requests
+    (what a drafter such as ``ngram`` can predict), each used by several clients."""
+    if kind == "copy":
+        from ._speculative import SPECULATIVE_PROMPTS
+
+        return tuple(SPECULATIVE_PROMPTS.values())
+    return PROMPTS[: min(clients, len(PROMPTS))]
+
+
 async def bench_serve(args: argparse.Namespace) -> int:
     """Tokens/s and latencies per client count, outputs checked; 1 if any output differed."""
     _check(args)
-    prompts = PROMPTS[: min(max(args.clients), len(PROMPTS))]
+    prompts = _prompts(args.prompts, max(args.clients))
     report: dict[str, Any] = {
         "benchmark": "serve", "model": args.model, "stages": args.stages,
         "clients": args.clients, "tokens": args.tokens,
         "requests_per_client": args.requests_per_client, "hop_delay_ms": args.hop_delay_ms,
         "speculative": args.speculative, "max_batch": args.max_batch, "prompts": len(prompts),
+        "prompt_kind": args.prompts,
     }  # fmt: skip
     report["stagerun"] = await _measure_stagerun(args, prompts)
     report["llama_server"] = None

@@ -173,8 +173,11 @@ async def bench_load(args: argparse.Namespace) -> int:
     cmd = [
         sys.executable, "-m", "stagerun", "serve", "--port", "0",
         "--model", args.model, "--stages", str(args.stages),
-        "--parallel", str(args.parallel), "--max-queue", str(args.max_queue),
     ]  # fmt: skip
+    if args.max_batch is not None:
+        cmd += ["--max-batch", str(args.max_batch)]
+    if args.max_queue is not None:
+        cmd += ["--max-queue", str(args.max_queue)]
     say(args, "starting " + " ".join(cmd[2:]))
     proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
     try:
