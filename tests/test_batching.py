@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from stagerun import ComputeCancelled
 from stagerun._decide._ticks import Waiting, choose_tick
-from stagerun._stage._scheduler import TickScheduler
+from stagerun._stage._scheduler import TickInfo, TickScheduler
 from stagerun.abc import ForwardItem, run_batch
 from stagerun.backends import NumpyBackend
 from stagerun.testing import write_tiny_model
@@ -93,9 +93,11 @@ async def test_forwards_that_wait_together_share_one_tick() -> None:
     backend = Recorder(delay=0.05)
     scheduler = TickScheduler(backend)
     outputs: list[Any] = []
+    ticks: dict[int, TickInfo] = {}
 
     async def one(rows: int) -> None:
-        outputs.append(await scheduler.forward(_item(rows)))
+        ticks[rows] = TickInfo()
+        outputs.append(await scheduler.forward(_item(rows), tick=ticks[rows]))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(one, 1)
@@ -106,6 +108,10 @@ async def test_forwards_that_wait_together_share_one_tick() -> None:
     assert sorted(o.shape[0] for o in outputs) == [1, 2, 3, 4]
     assert scheduler.ticks == 2 and scheduler.items == 4 and scheduler.rows == 10
     assert scheduler.batch_sizes == {1: 1, 3: 1}
+    # each forward learns its own tick: the wait for it is not part of its time
+    assert [ticks[r].batch for r in (1, 2, 3, 4)] == [1, 3, 3, 3]
+    assert ticks[2] == ticks[3] == ticks[4] and ticks[2].started >= ticks[1].started + 0.05
+    assert all(0.05 <= t.seconds < 0.5 for t in ticks.values())
 
 
 async def test_max_items_one_turns_batching_off() -> None:

@@ -34,7 +34,7 @@ from .._decide._prefill import (
     parse_chunk_policy,
 )
 from .._errors import LaneError
-from .._stage._scheduler import TickScheduler
+from .._stage._scheduler import TickInfo, TickScheduler
 from .._util import single_exceptions
 from .._wire._connect import alternatives, open_connection
 from ..abc import ComputeBackend, Drafter, ForwardItem
@@ -258,9 +258,10 @@ class Pipeline:
         prefill: bool = False,
     ) -> np.ndarray[Any, Any]:
         ids = np.asarray(tokens, dtype=np.int64)
-        started = telemetry.now_ns()
+        tick = TickInfo()
         item = ForwardItem(cache, position, tokens=ids, logits=logits)
-        out = await self.scheduler.forward(item, prefill=prefill)
+        out = await self.scheduler.forward(item, prefill=prefill, tick=tick)
+        started = telemetry.now_ns() - int((time.perf_counter() - tick.started) * 1e9)
         tel = telemetry.current()
         if tel.debug_enabled and request_id is not None:
             attributes: dict[str, Any] = {
@@ -268,7 +269,8 @@ class Pipeline:
                 "llama_stage.request_id": request_id,
                 "llama_stage.pos_start": position,
                 "llama_stage.token_count": len(ids),
-                "llama_stage.elapsed_ms": (telemetry.now_ns() - started) / 1e6,
+                "llama_stage.elapsed_ms": tick.seconds * 1000.0,
+                "llama_stage.batch_size": tick.batch,
             }
             if window_id is not None:
                 attributes["llama_stage.verify_window_id"] = window_id

@@ -17,6 +17,7 @@ import numpy as np
 from .._proto import ActivationDType
 from .._wire._framed import FrameStream, LinkEmulation
 from ..abc import ComputeBackend, ForwardItem
+from ._scheduler import TickInfo
 
 
 class StageContext(Protocol):
@@ -43,6 +44,8 @@ class StageContext(Protocol):
         *,
         prefill: bool = False,
         stale: Callable[[], bool] | None = None,
+        tick: TickInfo | None = None,
     ) -> np.ndarray[Any, Any]:
-        """Compute one session's forward in the stage's next tick that takes it."""
+        """Compute one session's forward in the stage's next tick that takes it (``tick``,
+        if given, is filled in with that tick's start, duration and size)."""
         ...

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import trio
 
@@ -32,16 +33,35 @@ from .._decide._ticks import DEFAULT_TICK_ROWS, Waiting, choose_tick
 from .._errors import ComputeCancelled
 from ..abc import ForwardItem, run_batch
 
-__all__ = ["RECENT_SECONDS", "TickScheduler"]
+__all__ = ["RECENT_SECONDS", "TickInfo", "TickScheduler"]
 
 RECENT_SECONDS = 1.0  # the span over which `TickScheduler.recent_busy` measures the load
 
 
-class _Job:
-    __slots__ = ("item", "outcome", "prefill", "stale")
+@attrs.define
+class TickInfo:
+    """Filled in by `TickScheduler.forward`: the tick that computed a forward.
 
-    def __init__(self, item: ForwardItem, prefill: bool, stale: Callable[[], bool] | None) -> None:
-        self.item, self.prefill, self.stale = item, prefill, stale
+    ``started`` is a `time.perf_counter` reading; the time a forward waited for its tick
+    is not part of ``seconds``. ``batch`` counts the forwards the tick computed.
+    """
+
+    started: float = 0.0
+    seconds: float = 0.0
+    batch: int = 0
+
+
+class _Job:
+    __slots__ = ("item", "outcome", "prefill", "stale", "tick")
+
+    def __init__(
+        self,
+        item: ForwardItem,
+        prefill: bool,
+        stale: Callable[[], bool] | None,
+        tick: TickInfo | None,
+    ) -> None:
+        self.item, self.prefill, self.stale, self.tick = item, prefill, stale, tick
         self.outcome: np.ndarray[Any, Any] | BaseException | None = None
 
 
@@ -103,15 +123,17 @@ class TickScheduler:
         *,
         prefill: bool = False,
         stale: Callable[[], bool] | None = None,
+        tick: TickInfo | None = None,
     ) -> np.ndarray[Any, Any]:
         """Compute ``item`` in the next tick that takes it; its output.
 
         ``stale()`` True when the tick starts drops the item unseen (`ComputeCancelled`).
+        ``tick``, if given, is filled in with the tick that computed the item.
 
         Raises:
             ComputeCancelled: the item was dropped before its tick or stopped in it.
         """
-        job = _Job(item, prefill, stale)
+        job = _Job(item, prefill, stale, tick)
         self._waiting.append(job)
         try:
             while job.outcome is None:
@@ -169,6 +191,9 @@ class TickScheduler:
 
     def _count(self, jobs: list[_Job], start: float, end: float) -> None:
         """Add a finished tick to the counters (on the Trio thread, like every reader)."""
+        for job in jobs:
+            if job.tick is not None:
+                job.tick.started, job.tick.seconds, job.tick.batch = start, end - start, len(jobs)
         self.busy_seconds += end - start
         self._recent.append((end, end - start))
         self.ticks += 1

@@ -42,7 +42,7 @@ from .._wire._framed import (
     server_handshake,
 )
 from ..abc import ComputeBackend, ForwardItem
-from ._scheduler import TickScheduler
+from ._scheduler import TickInfo, TickScheduler
 from ._worker import LaneWorker
 
 log = logging.getLogger("stagerun.stage")
@@ -218,10 +218,11 @@ class StageServer:
         *,
         prefill: bool = False,
         stale: Callable[[], bool] | None = None,
+        tick: TickInfo | None = None,
     ) -> np.ndarray[Any, Any]:
         """Compute one session's forward in this stage's next tick (see `TickScheduler`)."""
         self.computes += 1
-        return await self.scheduler.forward(item, prefill=prefill, stale=stale)
+        return await self.scheduler.forward(item, prefill=prefill, stale=stale, tick=tick)
 
 
 def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:

@@ -45,6 +45,7 @@ from .._wire._framed import FrameStream, LinkEmulation
 from ..abc import ForwardItem
 from ..telemetry import Telemetry, now_ns
 from ._context import StageContext
+from ._scheduler import TickInfo
 from ._session import (
     Session,
     StopCheck,
@@ -378,12 +379,13 @@ class LaneWorker:
         else:
             item = ForwardItem(session.cache, message.position, hidden=activations)
         item = attrs.evolve(item, logits=rows, should_stop=stop)
-        start = time.perf_counter()
+        start, tick = time.perf_counter(), TickInfo()
         try:
             out = await self.server.forward(
                 item,
                 prefill=isinstance(message, _proto.Prefill),
                 stale=None if stop is None else stop.cancelled,
+                tick=tick,
             )
             check_finite(backend, out)
         except ComputeCancelled:
@@ -395,7 +397,7 @@ class LaneWorker:
             return None
         finally:
             self._current = None
-        return out, us_since(start)
+        return out, int(tick.seconds * 1e6)  # its tick's time, not the wait for it
 
     def _record_compute(
         self, message: _proto.ActivationMessage, session: Session, compute_us: int, tel: Telemetry

@@ -273,6 +273,7 @@ def _report_load(
         "outcomes": outcomes,
         "seconds": elapsed,
         "latency_p50_s": ordered[len(ordered) // 2],
+        "latency_p99_s": ordered[min(len(ordered) - 1, (len(ordered) * 99) // 100)],
         "latency_max_s": ordered[-1],
         "rss_warm_mib": warm,
         "rss_after_mib": after,
@@ -282,7 +283,8 @@ def _report_load(
     else:
         print(
             f"{args.requests} requests, {args.clients} clients, {elapsed:.1f}s: {outcomes}; "
-            f"latency p50 {report['latency_p50_s']:.2f}s max {report['latency_max_s']:.2f}s; "
+            f"latency p50 {report['latency_p50_s']:.2f}s p99 {report['latency_p99_s']:.2f}s "
+            f"max {report['latency_max_s']:.2f}s; "
             f"RSS {warm:.0f} -> {after:.0f} MiB"
         )
     return 0 if set(outcomes) <= {"ok", "429"} else 1
