@@ -10,20 +10,31 @@ llama.cpp computes exactly the stage's layer range in its own (quantized) kernel
   ``l_out-{n-1}``, from the graph through the eval callback, which copies the tensor out with
   ``ggml_backend_tensor_get``. Every row must request an output, or llama.cpp prunes the last
   block to the rows whose logits were asked for;
-* **KV cache**: one llama.cpp context per request (the cache object), trimmed with
-  ``llama_memory_seq_rm``; positions are absolute, like every stagerun backend.
+* **KV cache**: a sequence id in a llama.cpp context shared by up to ``seats`` sessions
+  (`_context.SharedContext`; one by default), trimmed with ``llama_memory_seq_rm``;
+  positions are absolute, like every stagerun backend. More sessions open more contexts.
+* **batches**: `LlamaCppBackend.forward_batch` puts the rows of every session of a context
+  into one ``llama_batch``, each row with its sequence id and position, and runs one
+  ``llama_decode`` per context; `forward` is a batch of one. With one seat a context (the
+  default) every session is its own decode, as before batches existed. With more, a
+  session's result in a batch is close to, not bitwise, its result alone: llama.cpp's
+  kernels pick their path by the number of rows, and its 8-bit activations turn the smallest
+  difference into a rounding step. Default model (Q4_1), 4 sessions, 32 decode steps: logits
+  correlate at 0.9988 or better, as with numpy's, and give the same greedy token at 125 of
+  128 steps, the others near-ties.
 
-``should_stop`` is polled before the graph and, through the same eval callback, after every
-block's output ``l_out-i`` (only while a ``should_stop`` is given: each observed tensor splits
-the graph). When it returns True the callback stops the graph, the cache is trimmed back to the
-position and `ComputeCancelled` is raised. Blocking code, called from one worker thread at a
-time.
+``should_stop`` is polled per item before the graph and, through the same eval callback,
+after every block's output ``l_out-i`` (only while a ``should_stop`` is given: each observed
+tensor splits the graph). An item that stops is trimmed back to its position and its result is
+the `ComputeCancelled` (its rows run to the end of the graph, unused); when every item has
+stopped the callback stops the graph. Blocking code, called from one worker thread at a time.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -33,15 +44,18 @@ import numpy as np
 import numpy.typing as npt
 
 from stagerun import ComputeCancelled
-from stagerun.abc import ComputeBackend
+from stagerun.abc import ComputeBackend, ForwardItem
 from stagerun.backends import GgufLayers, check_positions, stage_input
 from stagerun.model import ModelFile
 
+from ._context import Run, SharedContext
 from ._slice import slice_model
 
 __all__ = ["LlamaCppBackend", "LlamaCppCache"]
 
 DEFAULT_CONTEXT = 2048
+DEFAULT_SEATS = 1
+SEATS_ENV = "STAGERUN_LLAMACPP_SEATS"
 _backend_ready = False
 
 
@@ -73,32 +87,28 @@ def _quiet(level: int, text: bytes, user_data: Any) -> None:
 
 
 class LlamaCppCache:
-    """One request's llama.cpp context (its KV cache) on one stage."""
+    """One request's KV cache on one stage: a sequence id in a shared llama.cpp context."""
 
     def __init__(self, backend: LlamaCppBackend) -> None:
         self._backend = backend
         self.length = 0
-        self.ctx = backend._new_context(self)
-        self.captured: np.ndarray[Any, Any] | None = None
-        self.stop: Callable[[], bool] | None = None
-        self.stopped = False
+        self.context, self.seq = backend._seat()
 
     def __repr__(self) -> str:
-        return f"<LlamaCppCache length={self.length}>"
+        return f"<LlamaCppCache length={self.length} seq={self.seq}>"
 
     def trim(self, position: int) -> None:
         """Forget every position at and after ``position`` (no-op past the end)."""
         if position < 0:
             raise ValueError(f"cannot trim the KV cache to negative position {position}.")
         if position < self.length:
-            memory = llama_cpp.llama_get_memory(self.ctx)
-            llama_cpp.llama_memory_seq_rm(memory, 0, position, -1)
+            self.context.trim(self.seq, position)
             self.length = position
 
     def __del__(self) -> None:
-        ctx, self.ctx = getattr(self, "ctx", None), None
-        if ctx:
-            llama_cpp.llama_free(ctx)
+        backend = getattr(self, "_backend", None)
+        if backend is not None and hasattr(self, "context"):
+            backend._release(self.context, self.seq)
 
 
 class LlamaCppBackend(GgufLayers, ComputeBackend):
@@ -109,6 +119,16 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
         layers: ``(lo, hi)``, half-open; None runs every layer.
         threads: llama.cpp threads (default: ``os.cpu_count()``).
         context: KV positions per request (default 2048, at most the model's context).
+        seats: sessions per llama.cpp context, the most one ``llama_decode`` batches (default
+            ``$STAGERUN_LLAMACPP_SEATS``, else 1). A context's KV cells are allocated when it
+            opens, for all its seats: ``seats * context`` positions.
+
+    Why one seat by default: in a shared context every row attends over all its cells, the
+    other sessions' too. Measured on 2 threads, layers 10..20 of the default model, 8
+    sessions decoding one token each: with 64 positions cached apiece one batch takes 13.9 ms
+    where 8 contexts took 18.8 ms one after another; with 512 apiece 25.7 against 25.8 ms,
+    and a session decoding alone in such a context takes twice as long (6.6 against 3.2 ms).
+    More seats pay off for many short sessions only.
     """
 
     def __init__(
@@ -118,12 +138,21 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
         *,
         threads: int | None = None,
         context: int = DEFAULT_CONTEXT,
+        seats: int | None = None,
     ) -> None:
         global _backend_ready, _ggml
         c = self._open_layers(model, layers, threads)
         lo, hi = self._lo, self._hi
         self.threads = threads or os.cpu_count() or 1
         self.n_ctx = min(context, c.context_length)
+        if seats is None:
+            seats = int(os.environ.get(SEATS_ENV) or DEFAULT_SEATS)
+        self.seats = seats
+        if not 1 <= self.seats <= llama_cpp.llama_max_parallel_sequences():
+            raise ValueError(
+                f"seats must lie in [1, {llama_cpp.llama_max_parallel_sequences()}], "
+                f"not {self.seats}."
+            )
         if not _backend_ready:
             llama_cpp.llama_log_set(_quiet, None)  # llama.cpp logs every load and context
             llama_cpp.llama_backend_init()
@@ -142,15 +171,18 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
         if not self._model:
             raise ValueError(f"llama.cpp could not load {self.path}")
         self._out_name = f"l_out-{hi - lo - 1}".encode()
-        self._callback_ref: Any = None
+        self._contexts: list[SharedContext] = []
 
     def __repr__(self) -> str:
         return (
             f"<LlamaCppBackend layers=[{self._lo}, {self._hi}) of {self.config.n_layers} "
-            f"threads={self.threads}>"
+            f"threads={self.threads} contexts={len(self._contexts)} seats={self.seats}>"
         )
 
     def __del__(self) -> None:
+        # Caches hold the backend, so none is left: free the contexts, then the model.
+        for context in getattr(self, "_contexts", ()):
+            context.close()
         model, self._model = getattr(self, "_model", None), None
         if model:
             llama_cpp.llama_model_free(model)
@@ -158,50 +190,28 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
     def new_cache(self) -> LlamaCppCache:
         return LlamaCppCache(self)
 
-    def _new_context(self, cache: LlamaCppCache) -> Any:
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = self.n_ctx
-        params.n_batch = self.n_ctx
-        params.n_ubatch = min(512, self.n_ctx)
-        params.n_seq_max = 1
-        params.n_threads = self.threads
-        params.n_threads_batch = self.threads
-        wanted = self._out_name
-        last = self.is_last
-        ggml = self._ggml
-        d_model = self.d_model
+    def _seat(self) -> tuple[SharedContext, int]:
+        """A free sequence of a shared context, opening a new context when all are full."""
+        for context in self._contexts:
+            seq = context.take()
+            if seq is not None:
+                return context, seq
+        width = self.vocab_size if self.is_last else self.d_model
+        run = Run(self._ggml, self._out_name, last=self.is_last, width=width)
+        context = SharedContext(
+            self._model, seats=self.seats, n_ctx=self.n_ctx, threads=self.threads, run=run
+        )
+        self._contexts.append(context)
+        seq = context.take()
+        assert seq is not None
+        return context, seq
 
-        def observe(tensor: int, ask: bool, _user: Any) -> bool:
-            # ask=True: do we want this tensor? ask=False: it is computed; False stops the graph.
-            name = ggml.ggml_get_name(tensor)
-            if ask:
-                return bool(
-                    (name == wanted and not last)
-                    or (cache.stop is not None and name.startswith(b"l_out-"))
-                )
-            if name == wanted and not last:
-                size = ggml.ggml_nbytes(tensor)
-                out = np.empty(size // 4, np.float32)
-                ggml.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, size)
-                cache.captured = out.reshape(-1, d_model)
-            elif (
-                cache.stop is not None
-                and name != wanted
-                and name.startswith(b"l_out-")
-                and cache.stop()  # between two layers
-            ):
-                cache.stopped = True
-                return False
-            return True
-
-        callback = llama_cpp.ggml_backend_sched_eval_callback(observe)
-        params.cb_eval = callback
-        params.cb_eval_user_data = None
-        cache._callback = callback  # type: ignore[attr-defined]  # keep it alive
-        ctx = llama_cpp.llama_init_from_model(self._model, params)
-        if not ctx:
-            raise ValueError("llama.cpp could not create a context")
-        return ctx
+    def _release(self, context: SharedContext, seq: int) -> None:
+        """A cache is gone: free its seat, and its context once no one sits there (one is kept)."""
+        context.release(seq)
+        if context.idle and len(self._contexts) > 1:
+            self._contexts.remove(context)
+            context.close()
 
     def forward(
         self,
@@ -213,58 +223,108 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
         logits: Literal["last", "all"] = "last",
         should_stop: Callable[[], bool] | None = None,
     ) -> np.ndarray[Any, Any]:
-        """Run this stage's layers on new positions (see `stagerun.abc.ComputeBackend`)."""
-        if logits not in ("last", "all"):
-            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}.")
-        if not isinstance(cache, LlamaCppCache) or cache._backend is not self:
+        """Run this stage's layers on new positions (see `stagerun.abc.ComputeBackend`).
+
+        This is `forward_batch` of one item.
+        """
+        item = ForwardItem(cache, position, tokens, hidden, logits, should_stop)
+        (result,) = self.forward_batch([item])
+        if isinstance(result, ComputeCancelled):
+            raise result
+        return result
+
+    def forward_batch(
+        self, items: Sequence[ForwardItem]
+    ) -> list[np.ndarray[Any, Any] | ComputeCancelled]:
+        """Several sessions in one ``llama_decode`` per shared context they sit in.
+
+        Every item is checked before any cache changes, then trimmed to its position. An item
+        whose ``should_stop`` fires is left at its position, its result the
+        `ComputeCancelled`; the others go on.
+        """
+        if len({id(item.cache) for item in items}) != len(items):
+            raise ValueError("two items of one batched forward share a KV cache.")
+        inputs = [self._start(item) for item in items]
+        results: list[np.ndarray[Any, Any] | ComputeCancelled | None] = [None] * len(items)
+        groups: defaultdict[SharedContext, list[int]] = defaultdict(list)
+        for k, item in enumerate(items):
+            item.cache.trim(item.position)
+            if item.should_stop is not None and item.should_stop():
+                results[k] = ComputeCancelled(
+                    f"compute at position {item.position} stopped before it started."
+                )
+            else:
+                groups[item.cache.context].append(k)
+        for context, ks in groups.items():
+            outcome = self._decode(context, [items[k] for k in ks], [inputs[k] for k in ks])
+            for k, result in zip(ks, outcome, strict=True):
+                results[k] = result
+        return [r for r in results if r is not None]
+
+    def _start(self, item: ForwardItem) -> np.ndarray[Any, Any]:
+        """An item's input rows, its arguments and cache checked."""
+        if item.logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', not {item.logits!r}.")
+        if not isinstance(item.cache, LlamaCppCache) or item.cache._backend is not self:
             raise ValueError("this KV cache was made by another backend.")
         rows = stage_input(
-            tokens,
-            hidden,
+            item.tokens,
+            item.hidden,
             first=self.is_first,
             lo=self._lo,
             vocab_size=self.vocab_size,
             d_model=self.d_model,
         )
-        n = rows.shape[0]
         check_positions(
-            cache.length, position, n, self.n_ctx, limit_name="this backend's context of"
+            item.cache.length,
+            item.position,
+            rows.shape[0],
+            self.n_ctx,
+            limit_name="this backend's context of",
         )
-        cache.trim(position)
-        if should_stop is not None and should_stop():
-            raise ComputeCancelled(f"compute at position {position} stopped before it started.")
-        cache.stop, cache.stopped = should_stop, False
-        batch = llama_cpp.llama_batch_init(n, 0 if self.is_first else self.d_model, 1)
-        try:
-            batch.n_tokens = n
-            if self.is_first:
-                for i, token in enumerate(rows):
-                    batch.token[i] = int(token)
-            else:
-                ctypes.memmove(batch.embd, rows.ctypes.data, rows.nbytes)
-            for i in range(n):
-                batch.pos[i] = position + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = 0
-                batch.logits[i] = 1  # every row: or llama.cpp prunes the last block's rows
-            cache.captured = None
-            status = llama_cpp.llama_decode(cache.ctx, batch)
-        finally:
-            llama_cpp.llama_batch_free(batch)
-            cache.stop = None
-        if cache.stopped:
-            cache.length = position + n
-            cache.trim(position)
-            raise ComputeCancelled(f"compute at position {position} stopped between layers.")
+        return rows
+
+    def _decode(
+        self,
+        context: SharedContext,
+        items: Sequence[ForwardItem],
+        inputs: Sequence[np.ndarray[Any, Any]],
+    ) -> list[np.ndarray[Any, Any] | ComputeCancelled]:
+        """One ``llama_decode`` of the items sitting in ``context``: each one's result."""
+        sizes = [x.shape[0] for x in inputs]
+        places = [(item.cache.seq, item.position) for item in items]
+        stops = [item.should_stop for item in items]
+        done = context.decode(inputs, places, stops, embeddings=not self.is_first)
+        for item, n in zip(items, sizes, strict=True):
+            item.cache.length = item.position + n  # so that a trim forgets what was stored
+        problem = self._problem(done.status, done.rows, sum(sizes), len(done.stopped), len(items))
+        if problem:
+            for item in items:
+                item.cache.trim(item.position)
+            raise RuntimeError(problem)
+        results: list[np.ndarray[Any, Any] | ComputeCancelled] = []
+        bounds = np.cumsum([0, *sizes])
+        for k, item in enumerate(items):
+            if k in done.stopped:
+                item.cache.trim(item.position)
+                results.append(
+                    ComputeCancelled(f"compute at position {item.position} stopped between layers.")
+                )
+                continue
+            assert done.rows is not None
+            out = done.rows[bounds[k] : bounds[k + 1]]
+            out = out[-1:] if self.is_last and item.logits == "last" else out
+            results.append(out.copy() if len(items) > 1 else out)
+        return results
+
+    @staticmethod
+    def _problem(
+        status: int, rows: np.ndarray[Any, Any] | None, n: int, stopped: int, items: int
+    ) -> str | None:
+        """What went wrong in a decode, or None (a graph stopped because all items did is fine)."""
         if status != 0:
-            cache.trim(position)
-            raise RuntimeError(f"llama_decode failed with status {status}")
-        cache.length = position + n
-        if self.is_last:
-            pointer = llama_cpp.llama_get_logits(cache.ctx)
-            out = np.ctypeslib.as_array(pointer, shape=(n, self.vocab_size)).copy()
-            return out if logits == "all" else out[-1:]
-        if cache.captured is None or cache.captured.shape[0] != n:
-            got = None if cache.captured is None else cache.captured.shape
-            raise RuntimeError(f"llama.cpp gave no hidden states for {n} rows (got {got})")
-        return cache.captured
+            return None if stopped == items else f"llama_decode failed with status {status}"
+        if rows is None or rows.shape[0] != n:
+            got = None if rows is None else rows.shape
+            return f"llama.cpp gave no output for {n} rows (got {got})"
+        return None

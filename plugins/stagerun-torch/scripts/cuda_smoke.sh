@@ -6,8 +6,9 @@
 #
 # Uses .venv if present (make install), else python3.11 with stagerun installed. Checks that the
 # backend runs on cuda, that float32 logits match the numpy reference within 1e-3 relative on
-# the default model, that float16 agrees on the greedy token (CUDA only), and that a 3-stage
-# pipeline of torch stages generates the same greedy tokens as numpy stages.
+# the default model, that float16 agrees on the greedy token (CUDA only), that a batch of
+# sessions gives each one bitwise its own result alone, and that a 3-stage pipeline of torch
+# stages generates the same greedy tokens as numpy stages.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 PY=${PYTHON:-.venv/bin/python}
@@ -22,6 +23,7 @@ import torch
 import trio
 
 from stagerun import open_pipeline
+from stagerun.abc import ForwardItem
 from stagerun.backends import NumpyBackend
 from stagerun.model import open_model
 from stagerun_torch import TorchBackend
@@ -56,6 +58,13 @@ for dtype, bound in (("float32", 1e-3), ("float16", 5e-2))[: 2 if cuda else 1]:
         backend.forward(cache, len(ids) + i, tokens=[ids[-1]])
     sync()
     print(f"{dtype}: {32 / (time.perf_counter() - start):.1f} decode steps/s")
+    prompts = [ids, ids[:3], ids[-1:], ids * 20]
+    alone = [backend.forward(backend.new_cache(), 0, tokens=p, logits="all") for p in prompts]
+    items = [ForwardItem(backend.new_cache(), 0, p, logits="all") for p in prompts]
+    batched = backend.forward_batch(items)
+    gaps = [float(np.abs(b - a).max()) for a, b in zip(alone, batched)]
+    print(f"{dtype}: a batch of {len(prompts)} against alone, largest differences {gaps}")
+    assert all(np.array_equal(a, b) for a, b in zip(alone, batched)), dtype
 
 
 async def tokens(backend: str) -> list[int]:

@@ -9,6 +9,11 @@ packed the way the numpy reference packs them, so both compute the same function
 * Attention is ``scaled_dot_product_attention`` over the cached keys with grouped-query heads
   (``enable_gqa``) and, for several new tokens, a causal mask offset by the cache length.
 * The KV cache is preallocated on the device and grows by doubling.
+* Several sessions run as one batch (`TorchBackend.forward_batch`): their rows are stacked
+  for the matrix products, the norms and the MLP; the attention runs per session against its
+  own cache. The products run in fixed row blocks and the SiLU in single-thread slices
+  (`_matrices`), so a session's result is bitwise the same alone and in any batch. `forward`
+  is a batch of one.
 
 On the CPU, torch's matrix multiply handles a few rows (a verify window) with little more
 memory traffic than one row, where numpy's OpenBLAS path needs panel tricks; on CUDA the stage
@@ -21,6 +26,7 @@ intra-op threads for the process (torch has one setting per process).
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
@@ -30,16 +36,13 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from stagerun import ComputeCancelled, UnsupportedModelError
-from stagerun.abc import ComputeBackend
+from stagerun import ComputeCancelled
+from stagerun.abc import ComputeBackend, ForwardItem
 from stagerun.backends import GgufLayers, check_positions, stage_input
-from stagerun.model import (
-    LayerWeights,
-    ModelFile,
-    QuantizedTensor,
-    fuse_layer,
-    qk_row_order,
-)
+from stagerun.model import LayerWeights, ModelFile, fuse_layer, qk_row_order
+
+from ._batch import Batch
+from ._matrices import HAS_ONEDNN, Dense, Matrix, OneDNN, host, int4, silu_mul, unpack_q4
 
 __all__ = ["TorchBackend", "TorchInt4Backend", "TorchKVCache"]
 
@@ -48,12 +51,6 @@ DTYPE_ENV = "STAGERUN_TORCH_DTYPE"
 WEIGHTS_ENV = "STAGERUN_TORCH_WEIGHTS"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CHUNK = 256  # first KV allocation, in tokens
-_PACK_ROWS = 4  # oneDNN's reorder takes a batch-size hint: a verify window
-_GROUP = 32  # weights per GGUF 4-bit block, and per int4 kernel group
-_Q4_BLOCK = {"Q4_0": 18, "Q4_1": 20}  # bytes per block of 32 weights
-_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
-    torch.ops.mkldnn, "_reorder_linear_weight"
-)
 
 
 def default_device() -> str:
@@ -104,126 +101,15 @@ class TorchKVCache:
             setattr(self, name, new)
 
 
-def _host(array: npt.NDArray[Any]) -> torch.Tensor:
-    """A float32 CPU tensor of ``array``, copied if it is a read-only view of the GGUF map."""
-    array = np.ascontiguousarray(array, dtype=np.float32)
-    if not array.flags.writeable:
-        array = array.copy()
-    return torch.from_numpy(array)
-
-
-class _Dense:
-    """``x @ W.T`` with ``torch.nn.functional.linear`` (CUDA, or a CPU torch without oneDNN)."""
-
-    __slots__ = ("weight",)
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
-class _OneDNN:
-    """``x @ W.T`` on the CPU with the weight reordered once for oneDNN.
-
-    Without the reorder each call repacks the whole matrix (torch's MKL path does the same, and
-    on AMD CPUs MKL takes a slow code path besides): a 4-token window over the default model
-    costs 67 ms through ``F.linear`` and 29 ms prepacked.
-    """
-
-    __slots__ = ("dtype", "weight")
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), _PACK_ROWS)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.weight, None, "none", [], "")
-        return y.float()
-
-
-class _Int4:
-    """``x @ W.T`` straight from the GGUF's 4-bit blocks (Q4_0 or Q4_1, 32 weights a block).
-
-    A block stores ``w = d * q + m`` (Q4_1; Q4_0 is ``d * (q - 8)``) with ``q`` in 0..15;
-    torch's int4 CPU kernel computes ``(q - 8) * scale + zero`` per 32-column group, so
-    ``scale = d`` and ``zero = m + 8 d`` reproduce the file's weights (rounded to bfloat16 for
-    the kernel). The kernel takes bfloat16 rows; the result is returned as float32.
-    """
-
-    __slots__ = ("n_in", "packed", "scales_zeros")
-
-    def __init__(
-        self,
-        rows: npt.NDArray[np.int32],
-        scale: npt.NDArray[np.float32],
-        zero: npt.NDArray[np.float32],
-    ) -> None:
-        self.n_in = rows.shape[1]
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.from_numpy(np.ascontiguousarray(rows)), 1
-        )
-        sz = np.stack([scale.T, zero.T], axis=-1)  # [in / 32, out, 2]
-        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(torch.bfloat16)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, _GROUP, self.scales_zeros
-        )
-        return y.float()
-
-
-_Matrix = _Dense | _OneDNN | _Int4
-
-
-_Q4 = tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]
-
-
-def _unpack_q4(
-    t: QuantizedTensor, rows: npt.NDArray[np.intp] | None = None, *, scale: float = 1.0
-) -> _Q4:
-    """``(q, scale, zero)`` of a Q4_0/Q4_1 tensor, rows reordered by ``rows``, scaled by ``scale``.
-
-    ``q`` is ``[out, in]`` in 0..15; ``scale`` and ``zero`` are ``[out, in / 32]``.
-    """
-    if t.qtype not in _Q4_BLOCK:
-        raise UnsupportedModelError(
-            f"the torch backend's int4 weights need Q4_0 or Q4_1 tensors; {t.name} is "
-            f"{t.qtype}. Use the float weights (backend 'torch') for this model."
-        )
-    out, n_in = t.shape
-    blocks = t.data if rows is None else t.data[rows]
-    blocks = blocks.reshape(out, n_in // _GROUP, _Q4_BLOCK[t.qtype])
-    f = np.float32(scale)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32) * f
-    if t.qtype == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) * f
-        qs = blocks[..., 4:]
-        zero = m + np.float32(8) * d
-    else:
-        qs = blocks[..., 2:]
-        zero = np.zeros_like(d)
-    # Each block's 16 bytes hold weights 0..15 in the low nibbles and 16..31 in the high ones.
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(out, n_in).astype(np.int32)
-    return q, d, zero
-
-
-def _int4(*parts: _Q4) -> _Int4:
-    """One `_Int4` whose output rows are those of ``parts`` in order (fused projections)."""
-    q, d, zero = (np.concatenate([p[i] for p in parts]) for i in range(3))
-    return _Int4(q, d, zero)
-
-
 class _Layer:
     __slots__ = ("attn_norm", "ffn_norm", "w_down", "w_gu", "w_o", "w_qkv")
 
     def __init__(
         self,
-        w_qkv: _Matrix,
-        w_o: _Matrix,
-        w_gu: _Matrix,
-        w_down: _Matrix,
+        w_qkv: Matrix,
+        w_o: Matrix,
+        w_gu: Matrix,
+        w_down: Matrix,
         attn_norm: torch.Tensor | None = None,
         ffn_norm: torch.Tensor | None = None,
     ) -> None:
@@ -290,7 +176,7 @@ class TorchBackend(GgufLayers, ComputeBackend):
             else:
                 self._layers = [self._float_layer(lw) for lw in w.layers]
             self._embd = self._tensor(w.token_embd) if w.token_embd is not None else None
-            self._head: _Matrix | None = None
+            self._head: Matrix | None = None
             if w.output is not None and w.output_norm is not None:
                 head_dtype = torch.bfloat16 if self.weights == "int4" else self.dtype
                 self._head = self._matrix(w.output * w.output_norm[None, :], head_dtype)
@@ -302,33 +188,36 @@ class TorchBackend(GgufLayers, ComputeBackend):
         self._eps = c.rms_eps
 
     def _tensor(self, array: npt.NDArray[Any]) -> torch.Tensor:
-        return _host(array).to(self.device, self.dtype)
+        return host(array).to(self.device, self.dtype)
 
-    def _matrix(self, w: npt.NDArray[np.float32], dtype: torch.dtype) -> _Matrix:
-        if self.device.type == "cpu" and _HAS_ONEDNN:
-            return _OneDNN(_host(w), dtype)
-        return _Dense(self._tensor(w))
+    def _matrix(self, w: npt.NDArray[np.float32], dtype: torch.dtype) -> Matrix:
+        if self.device.type == "cpu" and HAS_ONEDNN:
+            return OneDNN(host(w), dtype)
+        return Dense(self._tensor(w))
 
     def _float_layer(self, lw: LayerWeights) -> _Layer:
         f = fuse_layer(lw, self.config)
-        return _Layer(*(self._matrix(m, self.dtype) for m in (f.qkv, f.wo, f.gate_up, f.down)))
+        qkv, wo, gate_up, down = (
+            self._matrix(m, self.dtype) for m in (f.qkv, f.wo, f.gate_up, f.down)
+        )
+        return _Layer(qkv, wo, gate_up, down)
 
     def _int4_layer(self, i: int) -> _Layer:
         c = self.config
         q = self.model.quantized
         name = f"blk.{i}.{{}}.weight".format
-        qkv = _int4(
-            _unpack_q4(q(name("attn_q")), qk_row_order(c, c.n_heads), scale=c.head_dim**-0.5),
-            _unpack_q4(q(name("attn_k")), qk_row_order(c, c.n_kv_heads)),
-            _unpack_q4(q(name("attn_v"))),
+        qkv = int4(
+            unpack_q4(q(name("attn_q")), qk_row_order(c, c.n_heads), scale=c.head_dim**-0.5),
+            unpack_q4(q(name("attn_k")), qk_row_order(c, c.n_kv_heads)),
+            unpack_q4(q(name("attn_v"))),
         )
-        gu = _int4(_unpack_q4(q(name("ffn_gate"))), _unpack_q4(q(name("ffn_up"))))
+        gu = int4(unpack_q4(q(name("ffn_gate"))), unpack_q4(q(name("ffn_up"))))
         norms = [self._tensor(self.model.load_tensor(name(n))) for n in ("attn_norm", "ffn_norm")]
         return _Layer(
             qkv,
-            _int4(_unpack_q4(q(name("attn_output")))),
+            int4(unpack_q4(q(name("attn_output")))),
             gu,
-            _int4(_unpack_q4(q(name("ffn_down")))),
+            int4(unpack_q4(q(name("ffn_down")))),
             *norms,
         )
 
@@ -355,38 +244,71 @@ class TorchBackend(GgufLayers, ComputeBackend):
         logits: Literal["last", "all"] = "last",
         should_stop: Callable[[], bool] | None = None,
     ) -> np.ndarray[Any, Any]:
-        """Run this stage's layers on new positions (see `stagerun.abc.ComputeBackend`)."""
-        if logits not in ("last", "all"):
-            raise ValueError(f"logits must be 'last' or 'all', not {logits!r}.")
-        if not isinstance(cache, TorchKVCache):
-            raise ValueError("this cache was not made by a TorchBackend.")
+        """Run this stage's layers on new positions (see `stagerun.abc.ComputeBackend`).
+
+        This is `forward_batch` of one item: a session computes the same alone as in a batch.
+        """
+        item = ForwardItem(cache, position, tokens, hidden, logits, should_stop)
+        (result,) = self.forward_batch([item])
+        if isinstance(result, ComputeCancelled):
+            raise result
+        return result
+
+    def forward_batch(
+        self, items: Sequence[ForwardItem]
+    ) -> list[np.ndarray[Any, Any] | ComputeCancelled]:
+        """Several sessions in one pass: rows stacked for the matrices, attention per session.
+
+        Every item is checked before any cache changes. ``should_stop`` is polled per item
+        before every layer: an item that stops leaves the batch there, its cache back at its
+        position, and its result is the `ComputeCancelled`; the others go on. Each item's
+        result is bitwise what it would be alone (see `_matrices`).
+        """
+        if not items:
+            return []
+        if len({id(item.cache) for item in items}) != len(items):
+            raise ValueError("two items of one batched forward share a KV cache.")
         with torch.inference_mode():
-            h = self._input(tokens, hidden)
-            n = h.shape[0]
-            self._check_position(cache, position, n)
-            cache.trim(position)
-            cache.reserve(position + n)
-            end = position + n
-            cos = self._cos[position:end, None, :]
-            sin = self._sin[position:end, None, :]
-            mask = None
-            if n > 1:  # row t sees the cache and new rows up to itself
-                mask = torch.arange(end, device=h.device)[None, :] <= (
-                    position + torch.arange(n, device=h.device)[:, None]
-                )
+            inputs = [self._start(item) for item in items]
+            for item, x in zip(items, inputs, strict=True):
+                item.cache.trim(item.position)
+                item.cache.reserve(item.position + x.shape[0])
+            batch = Batch(inputs, items, (self._cos, self._sin))
             for i, layer in enumerate(self._layers):
-                if should_stop is not None and should_stop():
-                    raise ComputeCancelled(
-                        f"compute at position {position} stopped before layer {self._lo + i}."
-                    )
-                h = self._block(layer, i, cache, position, h, cos, sin, mask)
-            cache.length = end
-            if self._head is None:
-                out = h
-            else:
-                rows = h if logits == "all" else h[-1:]
-                out = self._head(self._norm(rows))
-            return out.to("cpu", torch.float32).numpy()
+                batch.poll(self._lo + i)
+                if not batch.live:
+                    break
+                self._block(layer, i, batch)
+            return self._finish(batch)
+
+    def _start(self, item: ForwardItem) -> torch.Tensor:
+        """An item's input rows on the device, its arguments and cache checked."""
+        if item.logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', not {item.logits!r}.")
+        if not isinstance(item.cache, TorchKVCache):
+            raise ValueError("this cache was not made by a TorchBackend.")
+        h = self._input(item.tokens, item.hidden)
+        self._check_position(item.cache, item.position, h.shape[0])
+        return h
+
+    def _finish(self, batch: Batch) -> list[np.ndarray[Any, Any] | ComputeCancelled]:
+        """Each live item's output on the host: its hidden rows, or on the last stage logits."""
+        picked: list[torch.Tensor] = []
+        for k, item in enumerate(batch.items):
+            if batch.cancelled[k] is None:
+                item.cache.length = item.position + batch.sizes[k]
+                rows = batch.rows_of(k)
+                picked.append(rows if self._head is None or item.logits == "all" else rows[-1:])
+        outputs: list[np.ndarray[Any, Any]] = []
+        if picked:
+            out = torch.cat(picked) if len(picked) > 1 else picked[0]
+            if self._head is not None:
+                out = self._head(self._norm(out))
+            rows_out = out.to("cpu", torch.float32).numpy()
+            bounds = np.cumsum([0] + [p.shape[0] for p in picked])
+            outputs = [rows_out[a:b] for a, b in itertools.pairwise(bounds)]
+        live = iter(outputs)
+        return [r if r is not None else next(live) for r in batch.cancelled]
 
     def _input(self, tokens: object, hidden: object) -> torch.Tensor:
         rows = stage_input(
@@ -415,37 +337,47 @@ class TorchBackend(GgufLayers, ComputeBackend):
     def _norm(self, h: torch.Tensor, gain: torch.Tensor | None = None) -> torch.Tensor:
         return F.rms_norm(h, (h.shape[-1],), gain, self._eps)
 
-    def _block(
-        self,
-        layer: _Layer,
-        i: int,
-        cache: TorchKVCache,
-        pos: int,
-        h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        mask: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def _block(self, layer: _Layer, i: int, batch: Batch) -> None:
+        """Layer ``i`` on every live row of ``batch``: ``batch.h`` becomes its output."""
         c = self.config
-        n, hd, n_kv, n_heads = h.shape[0], c.head_dim, c.n_kv_heads, c.n_heads
-        end, half = pos + n, hd // 2
-        qkv = layer.w_qkv(self._norm(h, layer.attn_norm)).view(n, n_heads + 2 * n_kv, hd)
+        h, hd, n_kv, n_heads = batch.h, c.head_dim, c.n_kv_heads, c.n_heads
+        half = hd // 2
+        qkv = layer.w_qkv(self._norm(h, layer.attn_norm)).view(h.shape[0], n_heads + 2 * n_kv, hd)
         # RoPE on the Q and K heads at once: their rows are in halves order (fuse_layer)
         qk = qkv[:, : n_heads + n_kv]
         x1, x2 = qk[..., :half], qk[..., half:]
+        cos, sin = batch.cos, batch.sin
         qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        v = qkv[:, n_heads + n_kv :]
+        parts = [
+            self._attend(i, batch.items[k], qk[a:b], v[a:b], batch.masks[k])
+            for k, (a, b) in batch.spans()
+        ]
+        h = h + layer.w_o(parts[0] if len(parts) == 1 else torch.cat(parts))
+        gu = layer.w_gu(self._norm(h, layer.ffn_norm))
+        batch.h = h + layer.w_down(silu_mul(gu[:, : c.d_ff], gu[:, c.d_ff :]))
+
+    def _attend(
+        self,
+        i: int,
+        item: ForwardItem,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One session's attention in layer ``i``: its new K/V cached, its rows' outputs."""
+        c = self.config
+        n, n_heads, cache = qk.shape[0], c.n_heads, item.cache
+        pos, end = item.position, item.position + n
         cache.k[i, :, pos:end] = qk[:, n_heads:].transpose(0, 1)
-        cache.v[i, :, pos:end] = qkv[:, n_heads + n_kv :].transpose(0, 1)
+        cache.v[i, :, pos:end] = v.transpose(0, 1)
         keys = cache.k[i, :, :end].unsqueeze(0)  # [1, n_kv, L, hd]
         values = cache.v[i, :, :end].unsqueeze(0)
         query = qk[:, :n_heads].transpose(0, 1).unsqueeze(0)  # [1, n_heads, T, hd]
         attn = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, scale=1.0, enable_gqa=n_heads != n_kv
+            query, keys, values, attn_mask=mask, scale=1.0, enable_gqa=n_heads != c.n_kv_heads
         )
-        h = h + layer.w_o(attn[0].transpose(0, 1).reshape(n, n_heads * hd))
-        gu = layer.w_gu(self._norm(h, layer.ffn_norm))
-        g, u = gu[:, : c.d_ff], gu[:, c.d_ff :]
-        return h + layer.w_down(F.silu(g) * u)
+        return attn[0].transpose(0, 1).reshape(n, n_heads * c.head_dim)
 
 
 class TorchInt4Backend(TorchBackend):

@@ -6,13 +6,17 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 import numpy as np
 import pytest
+import torch
 from stagerun_torch import TorchBackend, TorchInt4Backend
-from stagerun_torch._backend import _unpack_q4
+from stagerun_torch._matrices import HAS_ONEDNN, Dense, Int4, OneDNN, silu_mul, unpack_q4
 
 from stagerun import ComputeCancelled, plugins
+from stagerun.abc import ForwardItem
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile, open_model
 from stagerun.testing import check_backend, write_tiny_model
@@ -43,7 +47,7 @@ def test_registered_as_the_torch_backends() -> None:
 
 def test_int4_blocks_unpack_to_the_dequantized_weights(tiny_q4: ModelFile) -> None:
     for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
-        q, scale, zero = _unpack_q4(tiny_q4.quantized(name))
+        q, scale, zero = unpack_q4(tiny_q4.quantized(name))
         group = np.repeat(np.arange(scale.shape[1]), 32)
         rebuilt = (q - 8) * scale[:, group] + zero[:, group]
         np.testing.assert_allclose(rebuilt, tiny_q4.load_tensor(name), rtol=0, atol=1e-6)
@@ -99,6 +103,125 @@ def test_should_stop_leaves_the_cache_at_the_position(tiny: ModelFile) -> None:
     with pytest.raises(ComputeCancelled):
         backend.forward(cache, 3, tokens=[4], should_stop=lambda: True)
     assert cache.length == 3
+
+
+# --- batches ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    """Set torch's intra-op threads for a test (process-wide), restored after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _rows_differ(product: Callable[[torch.Tensor], torch.Tensor], width: int) -> dict[int, int]:
+    """``{batch size: rows that differ from the row alone}``, rows at random offsets."""
+    rng = np.random.default_rng(7)
+    x = torch.from_numpy(rng.standard_normal((160, width), dtype=np.float32))
+    with torch.inference_mode():
+        alone = torch.cat([product(x[r : r + 1]) for r in range(x.shape[0])])
+        differ = {}
+        for n in [*range(2, 41), 63, 64, 65, 127, 128, 129, 160]:
+            start = int(rng.integers(0, x.shape[0] - n + 1))
+            rows = (product(x[start : start + n]) != alone[start : start + n]).any(dim=1)
+            if rows.any():
+                differ[n] = int(rows.sum())
+    return differ
+
+
+def _weights(rows: int, cols: int) -> torch.Tensor:
+    rng = np.random.default_rng(rows * cols)
+    return torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32) * 0.05)
+
+
+# The default model's shapes (out, in): Q/K/V fused, ffn_down; the head's input width.
+SHAPES = [(960, 576), (576, 1536)]
+
+
+@pytest.mark.skipif(not HAS_ONEDNN, reason="this torch has no oneDNN")
+@pytest.mark.parametrize("n_threads", [1, 2, 5])
+def test_matrix_rows_do_not_depend_on_the_batch(
+    threads: Callable[[int], None], n_threads: int
+) -> None:
+    """Measured: unblocked, oneDNN's one-row path (ffn_down) and its bfloat16 kernel past 32
+    rows give other sums; `in_blocks` keeps every call to shapes that agree."""
+    threads(n_threads)
+    rng = np.random.default_rng(3)
+    for out, width in SHAPES:
+        assert _rows_differ(OneDNN(_weights(out, width), torch.float32), width) == {}
+        assert _rows_differ(Dense(_weights(out, width)), width) == {}
+        q = rng.integers(0, 16, (out, width)).astype(np.int32)
+        scale = rng.random((out, width // 32), dtype=np.float32) * 0.01
+        assert _rows_differ(Int4(q, scale, scale), width) == {}
+    assert _rows_differ(OneDNN(_weights(4096, 576), torch.bfloat16), 576) == {}
+
+
+@pytest.mark.parametrize("n_threads", [2, 5])
+@pytest.mark.parametrize("width", [1536, 1500])
+def test_silu_rows_do_not_depend_on_the_batch(
+    threads: Callable[[int], None], n_threads: int, width: int
+) -> None:
+    """Measured: one F.silu over 128 rows of 1536 on 5 threads gave 4 rows other values."""
+    threads(n_threads)
+    assert _rows_differ(lambda gu: silu_mul(gu[:, :width], gu[:, width:]), 2 * width) == {}
+
+
+def test_a_batch_must_not_share_a_cache(tiny: ModelFile) -> None:
+    backend = TorchBackend(tiny, device="cpu")
+    cache = backend.new_cache()
+    with pytest.raises(ValueError, match="share a KV cache"):
+        backend.forward_batch([ForwardItem(cache, 0, [1]), ForwardItem(cache, 0, [2])])
+    assert backend.forward_batch([]) == []
+
+
+def _solo_and_batched(backend: TorchBackend, seed: int) -> tuple[list[Any], list[Any]]:
+    """Twelve sessions' next forwards (1 to 130 rows), alone and as one shuffled batch."""
+    rng = np.random.default_rng(seed)
+    sizes = [1, 7, 1, 40, 3, 1, 130, 2, 1, 1, 64, 33]
+    filled = [int(p) for p in rng.integers(0, 30, len(sizes))]
+
+    def rows(n: int) -> dict[str, Any]:
+        if backend.is_first:
+            return {"tokens": rng.integers(0, backend.vocab_size, n)}
+        return {"hidden": rng.standard_normal((n, backend.d_model)).astype(np.float32)}
+
+    before = [rows(p) for p in filled]
+    new = [rows(n) for n in sizes]
+
+    def caches() -> list[Any]:
+        made = [backend.new_cache() for _ in sizes]
+        for cache, p, kw in zip(made, filled, before, strict=True):
+            if p:
+                backend.forward(cache, 0, **kw)
+        return made
+
+    logits: list[Literal["last", "all"]] = ["all" if k % 3 else "last" for k in range(len(sizes))]
+    solo = [
+        backend.forward(c, p, logits=lg, **kw)
+        for c, p, kw, lg in zip(caches(), filled, new, logits, strict=True)
+    ]
+    order = [int(k) for k in rng.permutation(len(sizes))]
+    made = caches()
+    items = [ForwardItem(made[k], filled[k], logits=logits[k], **new[k]) for k in order]
+    batched: list[Any] = [None] * len(sizes)
+    for k, result in zip(order, backend.forward_batch(items), strict=True):
+        batched[k] = result
+    return solo, batched
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_threads", [1, 2, 5])
+@pytest.mark.parametrize("backend_class", [TorchBackend, TorchInt4Backend])
+def test_a_batch_is_bitwise_its_items_alone_on_the_default_model(
+    smollm2: ModelFile, threads: Callable[[int], None], n_threads: int, backend_class: type
+) -> None:
+    threads(n_threads)
+    for layers in [(0, 3), (27, 30)]:
+        solo, batched = _solo_and_batched(backend_class(smollm2, layers), seed=layers[0])
+        for k, (want, got) in enumerate(zip(solo, batched, strict=True)):
+            assert np.array_equal(got, want), (layers, k, float(np.abs(got - want).max()))
 
 
 @pytest.mark.slow

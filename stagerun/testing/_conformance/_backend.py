@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..._errors import ComputeCancelled
+from ._batch import check_batches
 from ._common import _Check, _checking
 
 
@@ -22,10 +23,13 @@ BackendFactory = Callable[..., Any]
 
 
 class _BackendChecks:
-    def __init__(self, factory: BackendFactory, model: Any, tolerance: float) -> None:
+    def __init__(
+        self, factory: BackendFactory, model: Any, tolerance: float, batch_tolerance: float
+    ) -> None:
         self.factory = factory
         self.model = model
         self.tolerance = tolerance
+        self.batch_tolerance = batch_tolerance
         c = model.config
         self.n_layers, self.d_model, self.vocab = int(c.n_layers), int(c.d_model), int(c.vocab_size)
         rng = np.random.default_rng(1234)
@@ -145,6 +149,25 @@ class _BackendChecks:
             )
         self.check_should_stop(full, reference)
         self.check_bad_inputs(full, splits)
+        self.check_batches(full, splits)
+
+    def check_batches(self, full: Any, splits: Sequence[Sequence[tuple[int, int]]]) -> None:
+        """The batch checks (`_batch`) on the whole model, and on a later stage of a split."""
+        sequences = [self.prompt, self.other]
+        check_batches(
+            self,
+            full,
+            lambda s, a, b: {"tokens": sequences[s][a:b]},
+            f"layers [0, {self.n_layers})",
+        )
+        if not splits:
+            return
+        (lo0, hi0), (lo, hi) = splits[0][0], splits[0][1]
+        first, later = self.build(lo0, hi0), self.build(lo, hi)
+        hidden = [first.forward(first.new_cache(), 0, tokens=s, logits="all") for s in sequences]
+        check_batches(
+            self, later, lambda s, a, b: {"hidden": hidden[s][a:b]}, f"layers [{lo}, {hi})"
+        )
 
     def check_should_stop(self, full: Any, reference: Any) -> None:
         prompt, n = self.prompt, self.n_layers
@@ -229,7 +252,9 @@ class _BackendChecks:
                     check.fail(f"the cache length changed from 3 to {cache.length}")
 
 
-def check_backend(factory: BackendFactory, model: Any, *, tolerance: float = 1e-4) -> None:
+def check_backend(
+    factory: BackendFactory, model: Any, *, tolerance: float = 1e-4, batch_tolerance: float = 0.0
+) -> None:
     """Check that a compute backend runs layer ranges of ``model`` as stagerun expects.
 
     Checks that: ``layers``, ``is_first`` and ``is_last`` match the range; outputs are float32
@@ -240,18 +265,28 @@ def check_backend(factory: BackendFactory, model: Any, *, tolerance: float = 1e-
     same result; two caches do not interfere; ``should_stop`` is polled between layers and
     raises `stagerun.ComputeCancelled` with the cache back at the position; bad inputs raise
     ValueError and leave the cache alone. Logits must agree within ``tolerance`` (relative to
-    the largest logit).
+    the largest logit). Then batches (through `stagerun.abc.run_batch`, so a backend without
+    its own ``forward_batch`` is checked too): sessions at different positions, prefills and
+    one-row decodes, ``logits="all"`` and ``"last"``, on the first stage and on a later one,
+    batched in two orders, each get the result of their own ``forward`` and leave their cache
+    as it would (the next decode step agrees too); and a ``should_stop`` that fires for one
+    item mid-batch cancels that item alone (its result the `stagerun.ComputeCancelled`, its
+    cache back at its position) while the others keep their own results.
 
     Args:
         factory: ``factory(model, (lo, hi))`` builds a backend, e.g. the backend class.
         model: the model to run, an open `stagerun.model.ModelFile` (the tiny one from
             `write_tiny_model` will do).
         tolerance: the largest relative difference allowed between logits.
+        batch_tolerance: the largest relative difference allowed between an item's result in
+            a batch and alone; 0 (the default) demands bitwise equality, as stagerun promises
+            a request; a backend whose kernels round by batch shape (llama.cpp) passes a
+            small one.
 
     Raises:
         AssertionError: a check failed; the message names it.
     """
-    _BackendChecks(factory, model, tolerance).run()
+    _BackendChecks(factory, model, tolerance, batch_tolerance).run()
 
 
 # --- drafters ---------------------------------------------------------------------------------
