@@ -148,6 +148,26 @@ async def test_a_stale_forward_is_dropped_before_its_tick_and_a_faulty_one_fails
     assert sorted(backend.calls[2:]) == [[2], [3]]
 
 
+@pytest.mark.parametrize("gather", [1, None])
+async def test_stage0_gathers_the_decoding_sessions_into_one_tick(gather: int | None) -> None:
+    backend = Recorder(delay=0.02)
+    scheduler = TickScheduler(backend, gather=gather)
+    a, b = _item(1), _item(1)
+    await scheduler.forward(a)  # each decodes once, apart: they are the decoding sessions
+    await scheduler.forward(b)
+    backend.calls.clear()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler.forward, attrs.evolve(a))  # a's next step (its cache)
+        await trio.sleep(0.01)  # b's comes later: with gather, a's tick waits for it
+        nursery.start_soon(scheduler.forward, attrs.evolve(b))
+    assert backend.calls == ([[1, 1]] if gather else [[1], [1]])
+    # a prefill chunk never waits: prompts are not what ticks gather
+    backend.calls.clear()
+    with trio.fail_after(0.05):
+        await scheduler.forward(_item(3), prefill=True)
+    assert backend.calls == [[3]]
+
+
 async def test_a_forward_cancelled_while_waiting_leaves_the_line() -> None:
     backend = Recorder(delay=0.05)
     scheduler = TickScheduler(backend)
@@ -177,9 +197,41 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
+def _pair(kind: str, model: Path) -> tuple[Any, Any]:
+    if kind == "numpy":
+        return NumpyBackend(model, (0, 1)), NumpyBackend(model, (1, 2))
+    from stagerun_torch import TorchBackend, TorchInt4Backend
+
+    cls = TorchBackend if kind == "torch" else TorchInt4Backend
+    return cls(model, (0, 1)), cls(model, (1, 2))
+
+
 @pytest.fixture(scope="module")
-def backends(wide_model: Path) -> tuple[NumpyBackend, NumpyBackend]:
-    return NumpyBackend(wide_model, (0, 1)), NumpyBackend(wide_model, (1, 2))
+def wide_q4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`wide_model` with Q4_0 block matrices, for the int4 backend."""
+    return write_tiny_model(
+        tmp_path_factory.mktemp("wide4") / "wide4.gguf",
+        n_layers=2,
+        d_model=576,
+        n_heads=9,
+        n_kv_heads=3,
+        d_ff=1536,
+        weights="Q4_0",
+    )
+
+
+@pytest.fixture(scope="module", params=["numpy", "torch", "torch-int4"])
+def backends(
+    wide_model: Path, wide_q4_model: Path, request: pytest.FixtureRequest
+) -> tuple[Any, Any]:
+    model = wide_q4_model if request.param == "torch-int4" else wide_model
+    return _pair(request.param, model)
+
+
+@pytest.fixture(scope="module")
+def numpy_backends(wide_model: Path) -> tuple[NumpyBackend, NumpyBackend]:
+    first, last = _pair("numpy", wide_model)
+    return first, last
 
 
 @attrs.frozen
@@ -219,7 +271,7 @@ script = st.builds(
 )
 
 
-def _rows(backend: NumpyBackend, seed: int, n: int, start: int) -> np.ndarray[Any, Any]:
+def _rows(backend: Any, seed: int, n: int, start: int) -> np.ndarray[Any, Any]:
     rng = np.random.default_rng([seed, start])
     return rng.integers(0, backend.vocab_size, size=n)
 
@@ -227,7 +279,7 @@ def _rows(backend: NumpyBackend, seed: int, n: int, start: int) -> np.ndarray[An
 class Session:
     """Runs a script through two stages; records each forward's output."""
 
-    def __init__(self, s: Script, backends: tuple[NumpyBackend, NumpyBackend]) -> None:
+    def __init__(self, s: Script, backends: tuple[Any, Any]) -> None:
         self.script = s
         self.backends = backends
         self.caches = [b.new_cache() for b in backends]
@@ -310,7 +362,7 @@ async def _batched(sessions: list[Session]) -> None:
 )
 @given(scripts=st.lists(script, min_size=2, max_size=6))
 def test_every_session_computes_bitwise_what_it_computes_alone(
-    scripts: list[Script], backends: tuple[NumpyBackend, NumpyBackend]
+    scripts: list[Script], backends: tuple[Any, Any]
 ) -> None:
     alone = [_solo(Session(s, backends)) for s in scripts]
     together = [Session(s, backends) for s in scripts]
@@ -324,7 +376,7 @@ def test_every_session_computes_bitwise_what_it_computes_alone(
 
 
 def test_batches_really_form_and_the_oracle_can_tell_sessions_apart(
-    backends: tuple[NumpyBackend, NumpyBackend],
+    backends: tuple[Any, Any],
 ) -> None:
     """Without batches the property is empty; and different sessions' logits must differ."""
     scripts = [Script(0.0, 5 + k, (Step(1), Step(1), Step(4, True, 2)), seed=k) for k in range(4)]
@@ -347,11 +399,11 @@ def test_batches_really_form_and_the_oracle_can_tell_sessions_apart(
 
 
 def test_unblocked_products_would_break_invariance(
-    backends: tuple[NumpyBackend, NumpyBackend], monkeypatch: pytest.MonkeyPatch
+    numpy_backends: tuple[NumpyBackend, NumpyBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The row blocks are what keeps a row's result independent of the batch: without them
     (one gemm for all rows) a row computed beside 40 others comes out different."""
-    first, _ = backends
+    first, _ = numpy_backends
     ids = np.arange(1, 42) % first.vocab_size
 
     def together_and_alone() -> tuple[Any, Any]:
@@ -367,3 +419,57 @@ def test_unblocked_products_would_break_invariance(
         monkeypatch.setattr(getattr(first._layers[0], panels), "row_block", 10_000)
     a, b = together_and_alone()
     assert not np.array_equal(a, b), "the oracle cannot fail: invariance holds without blocks"
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole pipeline: many requests at once give each the tokens it gets alone
+
+
+@pytest.fixture(scope="module")
+def tiny6(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny6") / "tiny.gguf", n_layers=6)
+
+
+STORIES = [
+    "the cat sat on the mat. the cat sat on the",
+    "once upon a time there was a",
+    "in the morning the sea was calm and the",
+    "a robot walked into the kitchen and",
+]
+
+
+async def test_concurrent_requests_get_their_solo_tokens_greedy_seeded_and_speculative(
+    tiny6: Path,
+) -> None:
+    from stagerun import SamplingParams, SpeculationConfig, open_pipeline
+
+    kinds = [
+        (SamplingParams(), None),
+        (SamplingParams(temperature=1.0, top_k=50, seed=7), None),
+        (SamplingParams(), SpeculationConfig("ngram", depth=3, window=3)),
+        (SamplingParams(temperature=0.8, seed=3), SpeculationConfig("ngram", depth=2)),
+    ]
+    jobs = [(prompt, *kind) for prompt in STORIES for kind in kinds]
+    async with open_pipeline(tiny6, stages=3, capacity=len(jobs)) as pipeline:
+        solo = []
+        for prompt, sampling, spec in jobs:
+            done = await pipeline.complete(prompt, max_tokens=24, sampling=sampling,
+                                           speculation=spec, ignore_eog=True)  # fmt: skip
+            solo.append(done.token_ids)
+        assert len({tuple(t) for t in solo}) >= len(jobs) // 2, "the oracle must vary"
+        before = pipeline.scheduler.batch_sizes.copy()
+        together: list[list[int]] = [[] for _ in jobs]
+
+        async def one(k: int) -> None:
+            prompt, sampling, spec = jobs[k]
+            done = await pipeline.complete(prompt, max_tokens=24, sampling=sampling,
+                                           speculation=spec, ignore_eog=True)  # fmt: skip
+            together[k] = done.token_ids
+
+        async with trio.open_nursery() as nursery:
+            for k in range(len(jobs)):
+                nursery.start_soon(one, k)
+        batched = pipeline.scheduler.batch_sizes - before
+    assert max(batched) >= 4, f"the requests were never batched: {batched}"
+    for k, (alone, beside) in enumerate(zip(solo, together, strict=True)):
+        assert alone == beside, (k, jobs[k][0], jobs[k][1], jobs[k][2])

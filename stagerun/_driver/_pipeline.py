@@ -55,6 +55,13 @@ from ._values import (
 
 log = logging.getLogger("stagerun.pipeline")
 
+# Stage 0's ticks gather the decoding requests into this many groups, which then travel down
+# the pipeline together (see TickScheduler). One group: every stage computes every request's
+# step in one tick, which streams the stage's weights (and the output head's) once per step
+# for all of them; measured on 2 cores, 3 stages, 8 clients: 86 tokens/s against 73 for two
+# groups and 67 without gathering.
+GATHER_GROUPS = 1
+
 
 class Pipeline:
     """A running pipeline; use `open_pipeline` to get one."""
@@ -93,7 +100,7 @@ class Pipeline:
         self.prefill_credit = prefill_credit
         self.last_prefill: PrefillReport | None = None
         self._backend0 = backend0
-        self.scheduler = TickScheduler(backend0, max_items=max_batch)
+        self.scheduler = TickScheduler(backend0, max_items=max_batch, gather=GATHER_GROUPS)
         self._shared_drafters: dict[tuple[str, str | None], Drafter] = {}
 
     def __repr__(self) -> str:

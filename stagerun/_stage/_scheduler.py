@@ -35,7 +35,11 @@ from ..abc import ForwardItem, run_batch
 
 __all__ = ["RECENT_SECONDS", "TickInfo", "TickScheduler"]
 
-RECENT_SECONDS = 1.0  # the span over which `TickScheduler.recent_busy` measures the load
+RECENT_SECONDS = 1.0
+# A gathering tick waits at most this many mean ticks' time for the decoding sessions, which
+# are those that asked for a decode step or a verify window in the last GATHER_SEEN_SECONDS.
+GATHER_TICKS = 3.0
+GATHER_SEEN_SECONDS = 0.3  # the span over which `TickScheduler.recent_busy` measures the load
 
 
 @attrs.define
@@ -72,18 +76,35 @@ class TickScheduler:
         backend: the stage's compute backend.
         max_rows: rows one tick computes at most (a larger forward runs alone).
         max_items: sessions one tick takes at most (1 turns batching off: one forward a tick).
+        gather: the number of groups the decoding sessions should travel in, or None.
+            With it, a tick that would start with fewer decode steps than a group's share
+            of the decoding sessions waits, a few ticks' time at most, for the rest (see
+            `_gather`). Stage 0 gathers: the requests that share its ticks then travel down
+            the pipeline together, so every stage computes them in one tick; without it,
+            closed-loop requests drift apart and most ticks compute one or two of them.
     """
 
     def __init__(
-        self, backend: Any, *, max_rows: int = DEFAULT_TICK_ROWS, max_items: int | None = None
+        self,
+        backend: Any,
+        *,
+        max_rows: int = DEFAULT_TICK_ROWS,
+        max_items: int | None = None,
+        gather: int | None = None,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         if max_items is not None and max_items < 1:
             raise ValueError(f"max_items must be at least 1, got {max_items}")
+        if gather is not None and gather < 1:
+            raise ValueError(f"gather must be at least 1 group, got {gather}")
         self.backend = backend
         self.max_rows = max_rows
         self.max_items = max_items
+        self.gather = gather
+        self.gathered_seconds = 0.0  # time ticks waited for more work
+        self._seen: dict[int, float] = {}  # session (cache id) -> when it last asked
+        self._arrived = trio.Event()
         self._waiting: list[_Job] = []
         self._running: trio.Event | None = None
         self.ticks = 0
@@ -135,6 +156,9 @@ class TickScheduler:
         """
         job = _Job(item, prefill, stale, tick)
         self._waiting.append(job)
+        if not prefill:  # a decoding session: the ones ticks gather
+            self._seen[id(item.cache)] = time.perf_counter()
+        self._arrived.set()
         try:
             while job.outcome is None:
                 if self._running is None:
@@ -152,6 +176,8 @@ class TickScheduler:
         done = self._running = trio.Event()
         try:
             await trio.lowlevel.checkpoint()  # work that is ready now joins this tick
+            if self.gather is not None:
+                await self._gather(self.gather)
             jobs = self._take()
             if jobs:
                 start = time.perf_counter()
@@ -160,6 +186,30 @@ class TickScheduler:
         finally:
             self._running = None
             done.set()
+
+    async def _gather(self, groups: int) -> None:
+        """Wait, `GATHER_TICKS` mean ticks at most, until a group's share of decode steps waits.
+
+        The decoding sessions are those that asked for a decode step or a verify window in
+        the last `GATHER_SEEN_SECONDS`; a tick that would take fewer than ``1/groups`` of
+        them waits for the rest of its share. One session alone never waits, nor does a
+        tick once its share is there; prefill chunks neither count nor wait (a tick of
+        prefill chunks alone starts at once).
+        """
+        now = time.perf_counter()
+        for key in [k for k, seen in self._seen.items() if seen < now - GATHER_SEEN_SECONDS]:
+            del self._seen[key]
+        share = -(-len(self._seen) // groups)
+        if not 0 < self._decoding() < share or not self.ticks:
+            return  # no decode step to gather, or its share is there
+        with trio.move_on_after(GATHER_TICKS * self.busy_seconds / self.ticks):
+            while self._decoding() < share:
+                self._arrived = trio.Event()
+                await self._arrived.wait()
+        self.gathered_seconds += time.perf_counter() - now
+
+    def _decoding(self) -> int:
+        return sum(not job.prefill for job in self._waiting)
 
     def _take(self) -> list[_Job]:
         """Remove this tick's jobs from the line; stale ones are answered at once."""
