@@ -13,7 +13,7 @@ results are still their solo results.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import attrs
 import numpy as np
@@ -23,7 +23,17 @@ from ...abc import ForwardItem, run_batch
 from ._common import _Check
 
 if TYPE_CHECKING:
-    from ._backend import _BackendChecks
+    import contextlib
+
+
+class _BackendChecks(Protocol):
+    """What the batch checks use of `check_backend`'s suite (`_backend._BackendChecks`)."""
+
+    batch_tolerance: float
+
+    def check(self, name: str) -> contextlib.AbstractContextManager[_Check]: ...
+
+    def outputs(self, check: _Check, out: Any, rows: int, last: bool, what: str) -> Any: ...
 
 __all__ = ["check_batches"]
 
