@@ -473,3 +473,26 @@ async def test_concurrent_requests_get_their_solo_tokens_greedy_seeded_and_specu
     assert max(batched) >= 4, f"the requests were never batched: {batched}"
     for k, (alone, beside) in enumerate(zip(solo, together, strict=True)):
         assert alone == beside, (k, jobs[k][0], jobs[k][1], jobs[k][2])
+
+
+async def test_ticks_give_freed_memory_back_now_and_then(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stagerun._stage import _scheduler
+
+    calls: list[float] = []
+    monkeypatch.setattr(_scheduler, "release_free_memory", lambda: calls.append(1.0))
+    monkeypatch.setattr(_scheduler, "TRIM_SECONDS", 0.0)
+    scheduler = TickScheduler(Recorder())
+    await scheduler.forward(_item(1))
+    await scheduler.forward(_item(1))
+    assert len(calls) == 2
+    monkeypatch.setattr(_scheduler, "TRIM_SECONDS", 3600.0)
+    await scheduler.forward(_item(1))
+    assert len(calls) == 2  # rate-limited
+
+
+def test_releasing_free_memory_finds_glibc_here() -> None:
+    from stagerun import _util
+
+    _util.release_free_memory()  # glibc's malloc_trim on Linux; nothing elsewhere
+    _util.release_free_memory()
+    assert _util._libc, "malloc_trim was not found: stage memory would only grow"

@@ -31,6 +31,7 @@ import trio
 
 from .._decide._ticks import DEFAULT_TICK_ROWS, Waiting, choose_tick
 from .._errors import ComputeCancelled
+from .._util import release_free_memory
 from ..abc import ForwardItem, run_batch
 
 __all__ = ["RECENT_SECONDS", "TickInfo", "TickScheduler"]
@@ -39,7 +40,8 @@ RECENT_SECONDS = 1.0
 # A gathering tick waits at most this many mean ticks' time for the decoding sessions, which
 # are those that asked for a decode step or a verify window in the last GATHER_SEEN_SECONDS.
 GATHER_TICKS = 3.0
-GATHER_SEEN_SECONDS = 0.3  # the span over which `TickScheduler.recent_busy` measures the load
+GATHER_SEEN_SECONDS = 0.3
+TRIM_SECONDS = 2.0  # a tick's thread gives freed heap memory back at most this often  # the span over which `TickScheduler.recent_busy` measures the load
 
 
 @attrs.define
@@ -105,6 +107,7 @@ class TickScheduler:
         self.gathered_seconds = 0.0  # time ticks waited for more work
         self._seen: dict[int, float] = {}  # session (cache id) -> when it last asked
         self._arrived = trio.Event()
+        self._trimmed = time.perf_counter()
         self._waiting: list[_Job] = []
         self._running: trio.Event | None = None
         self.ticks = 0
@@ -238,6 +241,9 @@ class TickScheduler:
             outcomes = [exc]
         for job, outcome in zip(jobs, outcomes, strict=True):
             job.outcome = outcome
+        if time.perf_counter() - self._trimmed > TRIM_SECONDS:
+            self._trimmed = time.perf_counter()
+            release_free_memory()  # ended sessions' caches and big temporaries
 
     def _count(self, jobs: list[_Job], start: float, end: float) -> None:
         """Add a finished tick to the counters (on the Trio thread, like every reader)."""
