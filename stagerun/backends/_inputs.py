@@ -1,17 +1,22 @@
 """Checks every compute backend makes on a forward's input, in one place.
 
 Backends (the built-ins and plugins alike) call `stage_input` and `check_positions` so that a
-bad call fails the same way, with the same message, whichever backend runs the stage.
+bad call fails the same way, with the same message, whichever backend runs the stage; and
+`forward_one` and `poll_stops` so that a batched forward treats its items the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["check_positions", "stage_input"]
+from .._errors import ComputeCancelled
+from ..abc import ForwardItem
+
+__all__ = ["check_positions", "forward_one", "poll_stops", "stage_input"]
 
 
 def stage_input(
@@ -72,3 +77,33 @@ def check_positions(
         )
     if position + n > limit:
         raise ValueError(f"positions up to {position + n} exceed {limit_name} {limit}.")
+
+
+def forward_one(backend: Any, item: ForwardItem) -> npt.NDArray[Any]:
+    """``forward`` as a batch of one: ``backend.forward_batch([item])``'s result, or its
+    `ComputeCancelled` raised. A backend whose ``forward`` is this computes the same for a
+    session alone as in a batch."""
+    (result,) = backend.forward_batch([item])
+    if isinstance(result, ComputeCancelled):
+        raise result
+    out: npt.NDArray[Any] = result
+    return out
+
+
+def poll_stops(
+    items: Sequence[ForwardItem], live: Sequence[int], layer: int
+) -> dict[int, ComputeCancelled]:
+    """Ask each live item of a batch whether to stop before ``layer``.
+
+    The ones that say so, by index, each with the `ComputeCancelled` it ends with; their
+    caches are trimmed back to their positions. The caller drops their rows.
+    """
+    stopped: dict[int, ComputeCancelled] = {}
+    for k in live:
+        item = items[k]
+        if item.should_stop is not None and item.should_stop():
+            item.cache.trim(item.position)
+            stopped[k] = ComputeCancelled(
+                f"compute at position {item.position} stopped before layer {layer}."
+            )
+    return stopped

@@ -40,7 +40,7 @@ from threadpoolctl import ThreadpoolController
 from .._errors import ComputeCancelled
 from ..abc import ForwardItem
 from ..model import LayerWeights, ModelFile, fuse_layer
-from ._inputs import check_positions, stage_input
+from ._inputs import check_positions, forward_one, poll_stops, stage_input
 from ._layers import GgufLayers
 
 __all__ = ["KVCache", "NumpyBackend"]
@@ -246,11 +246,7 @@ class NumpyBackend(GgufLayers):
             ComputeCancelled: ``should_stop()`` returned True at a layer boundary; the cache is
                 then back at ``position``.
         """
-        item = ForwardItem(cache, position, tokens, hidden, logits, should_stop)
-        (result,) = self.forward_batch([item])
-        if isinstance(result, ComputeCancelled):
-            raise result
-        return result
+        return forward_one(self, ForwardItem(cache, position, tokens, hidden, logits, should_stop))
 
     def forward_batch(self, items: Sequence[ForwardItem]) -> list[F32 | ComputeCancelled]:
         """Several sessions in one pass: rows stacked for the matrices, attention per session.
@@ -425,19 +421,13 @@ class _Batch:
 
     def poll(self, layer: int, tables: tuple[F32, F32]) -> None:
         """Ask each live item whether to stop before ``layer``; drop the ones that say so."""
-        stopping = {
-            k for k in self._live if (stop := self.items[k].should_stop) is not None and stop()
-        }
+        stopping = poll_stops(self.items, self._live, layer)
         if stopping:
             keep = np.ones(self.h.shape[0], bool)
             for k, (a, b) in self.spans():
                 if k in stopping:
                     keep[a:b] = False
-                    item = self.items[k]
-                    item.cache.trim(item.position)
-                    self.cancelled[k] = ComputeCancelled(
-                        f"compute at position {item.position} stopped before layer {layer}."
-                    )
+                    self.cancelled[k] = stopping[k]
             self._live = [k for k in self._live if k not in stopping]
             self.h, self._positions = self.h[keep], self._positions[keep]
         if stopping or not self.cos.size:

@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from stagerun import ComputeCancelled
 from stagerun.abc import ComputeBackend, ForwardItem
-from stagerun.backends import GgufLayers, check_positions, stage_input
+from stagerun.backends import GgufLayers, check_positions, forward_one, stage_input
 from stagerun.model import ModelFile
 
 from ._context import Run, SharedContext
@@ -227,11 +227,7 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
 
         This is `forward_batch` of one item.
         """
-        item = ForwardItem(cache, position, tokens, hidden, logits, should_stop)
-        (result,) = self.forward_batch([item])
-        if isinstance(result, ComputeCancelled):
-            raise result
-        return result
+        return forward_one(self, ForwardItem(cache, position, tokens, hidden, logits, should_stop))
 
     def forward_batch(
         self, items: Sequence[ForwardItem]

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from stagerun import ComputeCancelled
 from stagerun.abc import ComputeBackend, ForwardItem
-from stagerun.backends import GgufLayers, check_positions, stage_input
+from stagerun.backends import GgufLayers, check_positions, forward_one, stage_input
 from stagerun.model import LayerWeights, ModelFile, fuse_layer, qk_row_order
 
 from ._batch import Batch
@@ -248,11 +248,7 @@ class TorchBackend(GgufLayers, ComputeBackend):
 
         This is `forward_batch` of one item: a session computes the same alone as in a batch.
         """
-        item = ForwardItem(cache, position, tokens, hidden, logits, should_stop)
-        (result,) = self.forward_batch([item])
-        if isinstance(result, ComputeCancelled):
-            raise result
-        return result
+        return forward_one(self, ForwardItem(cache, position, tokens, hidden, logits, should_stop))
 
     def forward_batch(
         self, items: Sequence[ForwardItem]

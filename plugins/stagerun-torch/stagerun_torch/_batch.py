@@ -8,6 +8,7 @@ import torch
 
 from stagerun import ComputeCancelled
 from stagerun.abc import ForwardItem
+from stagerun.backends import poll_stops
 
 __all__ = ["Batch"]
 
@@ -69,20 +70,14 @@ class Batch:
         A stopped item's cache is trimmed back to its position and its result is the
         `ComputeCancelled`; the other items' rows stay in ``h``, in order.
         """
-        stopping = {
-            k for k in self._live if (stop := self.items[k].should_stop) is not None and stop()
-        }
+        stopping = poll_stops(self.items, self._live, layer)
         if not stopping:
             return
         keep = torch.ones(self.h.shape[0], dtype=torch.bool)
         for k, (a, b) in self.spans():
             if k in stopping:
                 keep[a:b] = False
-                item = self.items[k]
-                item.cache.trim(item.position)
-                self.cancelled[k] = ComputeCancelled(
-                    f"compute at position {item.position} stopped before layer {layer}."
-                )
+                self.cancelled[k] = stopping[k]
         self._live = [k for k in self._live if k not in stopping]
         keep = keep.to(self.h.device)
         self.h, self._positions = self.h[keep], self._positions[keep]

@@ -35,6 +35,7 @@ class _BackendChecks(Protocol):
 
     def outputs(self, check: _Check, out: Any, rows: int, last: bool, what: str) -> Any: ...
 
+
 __all__ = ["check_batches"]
 
 Inputs = Callable[[int, int, int], dict[str, Any]]
