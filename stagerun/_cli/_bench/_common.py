@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Hashable, Mapping
+import time
+from collections.abc import Callable, Hashable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
+
+import trio
 
 from ..._driver._launch import open_pipeline
 from ..._driver._pipeline import Pipeline
@@ -56,3 +59,43 @@ async def decode_rounds(
             name = label.format(key)
             say(args, f"round {round_index + 1}/{args.rounds}: {name} {rate:.1f} tokens/s")
     return samples, outputs
+
+
+async def http_exchange(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    on_data: Callable[[bytes, float], None] | None = None,
+) -> tuple[int, bytes]:
+    """One HTTP/1.1 request to ``host:port`` on its own connection (h11).
+
+    Returns the status and the body; with ``on_data`` a 200 body goes to it instead, piece by
+    piece with its arrival time, as it comes. The body is always read to its end.
+    """
+    import h11
+
+    conn = h11.Connection(h11.CLIENT)
+    headers = [("Host", f"{host}:{port}"), ("Connection", "close")]
+    if body:
+        headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    stream = await trio.open_tcp_stream(host, port)
+    async with stream:
+        out = conn.send(h11.Request(method=method, target=path, headers=headers))
+        out += conn.send(h11.Data(data=body)) if body else b""
+        await stream.send_all(out + conn.send(h11.EndOfMessage()))
+        status, chunks = 0, []
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await stream.receive_some(65536))
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                if on_data is not None and status == 200:
+                    on_data(bytes(event.data), time.perf_counter())
+                else:
+                    chunks.append(bytes(event.data))
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return status, b"".join(chunks)

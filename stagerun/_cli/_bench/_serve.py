@@ -28,7 +28,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import IO, Any
 
@@ -36,7 +36,7 @@ import attrs
 import trio
 
 from ..._errors import StagerunError
-from ._common import say
+from ._common import http_exchange, say
 from ._service import _stop_server
 
 __all__ = ["PROMPTS", "StreamReader", "bench_serve", "percentile", "scaling_ratios"]
@@ -151,45 +151,6 @@ class StreamReader:
         )
 
 
-async def http_exchange(
-    port: int,
-    method: str,
-    path: str,
-    body: bytes = b"",
-    on_data: Callable[[bytes, float], None] | None = None,
-) -> tuple[int, bytes]:
-    """One HTTP/1.1 request to 127.0.0.1:``port`` on its own connection (h11).
-
-    Returns the status and the body; with ``on_data`` a 200 body goes to it instead, piece by
-    piece with its arrival time, as it comes. The body is always read to its end.
-    """
-    import h11
-
-    conn = h11.Connection(h11.CLIENT)
-    headers = [("Host", f"127.0.0.1:{port}"), ("Connection", "close")]
-    if body:
-        headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    async with stream:
-        out = conn.send(h11.Request(method=method, target=path, headers=headers))
-        out += conn.send(h11.Data(data=body)) if body else b""
-        await stream.send_all(out + conn.send(h11.EndOfMessage()))
-        status, chunks = 0, []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                if on_data is not None and status == 200:
-                    on_data(bytes(event.data), time.perf_counter())
-                else:
-                    chunks.append(bytes(event.data))
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                return status, b"".join(chunks)
-
-
 @attrs.define
 class _Target:
     """A running server under test, and what the clients send it."""
@@ -220,7 +181,7 @@ class _Target:
             try:
                 with trio.fail_after(_REQUEST_TIMEOUT_S):
                     status, text = await http_exchange(
-                        self.port, "POST", path, body, reader.receive_data
+                        "127.0.0.1", self.port, "POST", path, body, reader.receive_data
                     )
             except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                 raise StagerunError(f"{self.name} did not answer a completion: {exc!r}") from exc
@@ -360,7 +321,7 @@ async def _wait_healthy(proc: trio.Process, port: int, log: IO[bytes], what: str
                                 f"healthy; its output ended with:\n{_tail(log)}")  # fmt: skip
         try:
             with trio.fail_after(5):
-                status, body = await http_exchange(port, "GET", "/health")
+                status, body = await http_exchange("127.0.0.1", port, "GET", "/health")
             if status == 200 and json.loads(body).get("status") == "ok":
                 return
         except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError):

@@ -14,7 +14,7 @@ from typing import Any
 import trio
 
 from ..._proto import SamplingParams
-from ._common import bench_pipeline, say
+from ._common import bench_pipeline, http_exchange, say
 
 
 async def bench_recovery(args: argparse.Namespace) -> int:
@@ -125,38 +125,6 @@ def process_tree_rss_mb(pid: int) -> float:
     return total / 1024.0
 
 
-async def _post(host: str, port: int, path: str, body: bytes) -> tuple[int, bytes]:
-    """One HTTP/1.1 POST on its own connection (h11); the status and the whole body."""
-    import h11
-
-    conn = h11.Connection(h11.CLIENT)
-    stream = await trio.open_tcp_stream(host, port)
-    async with stream:
-        request = h11.Request(
-            method="POST",
-            target=path,
-            headers=[
-                ("Host", f"{host}:{port}"),
-                ("Content-Type", "application/json"),
-                ("Content-Length", str(len(body))),
-                ("Connection", "close"),
-            ],
-        )
-        await stream.send_all(conn.send(request) + conn.send(h11.Data(data=body)))
-        await stream.send_all(conn.send(h11.EndOfMessage()))
-        status, chunks = 0, []
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await stream.receive_some(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                chunks.append(bytes(event.data))
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                return status, b"".join(chunks)
-
-
 async def bench_load(args: argparse.Namespace) -> int:
     """``--clients`` concurrent clients send ``--requests`` requests to a fresh ``serve``.
 
@@ -246,7 +214,9 @@ class _LoadClients:
             start = time.perf_counter()
             try:
                 with trio.fail_after(120):
-                    status, _ = await _post(self._host, int(self._port), "/v1/completions", body)
+                    status, _ = await http_exchange(
+                        self._host, int(self._port), "POST", "/v1/completions", body
+                    )
             except (trio.TooSlowError, OSError, trio.BrokenResourceError):
                 status = 0
             self.latencies.append(time.perf_counter() - start)
