@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -79,3 +80,14 @@ def release_free_memory() -> None:
             _libc = False
     if _libc:
         _libc.malloc_trim(0)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU time process ``pid`` has used (Linux ``/proc``; None if unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            stat = file.read()
+    except OSError:
+        return None
+    fields = stat.rsplit(b")", 1)[1].split()  # after the name, which may hold spaces or ")"
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime

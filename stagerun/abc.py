@@ -19,6 +19,7 @@ and shipping one.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
@@ -294,7 +295,8 @@ def run_batch(
     its ``forward`` called, and so does a wrapper that passes attributes on through
     ``__getattr__``, or a plugin written before batched forwards existed.
     """
-    if not _batches(type(backend)):
+    kind: type = type(backend)
+    if not _batches(kind):  # cached per class: this runs every tick
         return forward_each(backend, items)
     results: list[np.ndarray[Any, Any] | ComputeCancelled] = backend.forward_batch(items)
     if len(results) != len(items):
@@ -305,6 +307,7 @@ def run_batch(
     return results
 
 
+@functools.cache
 def _batches(cls: type) -> bool:
     """Whether ``cls``'s own ``forward_batch`` is meant for its ``forward``."""
     owner = {

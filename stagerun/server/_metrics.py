@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from .._driver._pipeline import Pipeline
 from .._driver._supervise import running_pids
 from .._driver._values import StageHealth
 from .._stage._scheduler import TickScheduler
+from .._util import cpu_seconds
 from ._admission import Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -87,17 +87,6 @@ class Histogram:
         out.append(f"{name}_sum {_number(self.total)}")
         out.append(f"{name}_count {self.count}")
         return out
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time process ``pid`` has used (Linux ``/proc``; None if unreadable)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            stat = file.read()
-    except OSError:
-        return None
-    fields = stat.rsplit(b")", 1)[1].split()  # after the name, which may hold spaces or ")"
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 class BusySampler:

@@ -36,6 +36,7 @@ import attrs
 import trio
 
 from ..._errors import StagerunError
+from ..._util import cpu_seconds
 from ._common import http_exchange, say
 from ._service import _stop_server
 
@@ -194,16 +195,6 @@ class _Target:
                                     f"{text.decode(errors='replace')}")  # fmt: skip
             self.rejected += 1
             await trio.sleep(0.05)
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User plus system CPU time of process ``pid`` (Linux ``/proc``; None if unreadable)."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[1].split()  # fields[0] is the state, field 3 of stat(5)
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stage_pids(root: int) -> list[int]:
