@@ -8,7 +8,8 @@ against its interface in `stagerun.abc` (the members it must have, coroutine or 
 functions as required, and the parameters stagerun passes). Whatever goes wrong, an import
 error, a missing method, two distributions claiming one name, becomes a `PluginError` that
 names the plugin, its distribution and the problem, raised when that plugin is asked for and
-listed by ``stagerun plugins``; other plugins keep working.
+listed by ``stagerun plugins``; other plugins keep working. A third-party plugin that takes a
+built-in's name is ignored, with a warning naming its distribution: the built-in wins.
 
 ``STAGERUN_PLUGINS`` restricts the third-party plugins: a comma-separated list whose items are
 plugin names (``bigram``), kind-qualified names (``drafter:bigram``, ``drafters:bigram``) or
@@ -17,13 +18,14 @@ distribution names (``stagerun-unix``). An item restricts only the kind of plugi
 kind, the third-party plugins listed load and the others do not. Kinds no item names are not
 restricted, and stagerun's built-ins (``tcp``, ``numpy``, ``ngram``...) always stay; an item
 with a leading ``-`` (``-ws``, ``-drafter:draft-model``) excludes a plugin, built-in or not.
-Unset or empty means everything installed.
+Items and names compare case-insensitively. Unset or empty means everything installed.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import logging
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -56,6 +58,8 @@ GROUPS: dict[Kind, str] = {
 }
 _SINGULAR = {"transports": "transport", "backends": "backend", "drafters": "drafter"}
 ENV = "STAGERUN_PLUGINS"
+
+log = logging.getLogger("stagerun.plugins")
 
 
 class PluginError(StagerunError):
@@ -114,9 +118,14 @@ def _distributions(info: PluginInfo) -> set[str]:
 
 
 def _names(info: PluginInfo) -> set[str]:
-    """Every way a ``STAGERUN_PLUGINS`` item can name ``info``."""
-    qualified = {f"{info.kind}:{info.name}", f"{_SINGULAR[info.kind]}:{info.name}"}
-    return {info.name, *qualified, *_distributions(info)}
+    """Every way a ``STAGERUN_PLUGINS`` item can name ``info``, lower-cased as the items are."""
+    name = info.name.lower()
+    qualified = {f"{info.kind}:{name}", f"{_SINGULAR[info.kind]}:{name}"}
+    return {name, *qualified, *_distributions(info)}
+
+
+def _is_builtin(info: PluginInfo) -> bool:
+    return _distributions(info) == {BUILTIN_DISTRIBUTION}
 
 
 @attrs.frozen
@@ -151,8 +160,7 @@ class Allowlist:
         names = _names(info)
         if names & self.excluded:
             return f"excluded by {ENV}={self.spec!r}"
-        builtin = _distributions(info) == {BUILTIN_DISTRIBUTION}
-        if restricted and not builtin and not names & self.listed:
+        if restricted and not _is_builtin(info) and not names & self.listed:
             return (
                 f"not listed in {ENV}={self.spec!r}, which lists the "
                 f"{_SINGULAR[info.kind]} plugins to use"
@@ -177,25 +185,56 @@ def _discover() -> dict[Kind, dict[str, PluginInfo]]:
             # One distribution seen twice (two path entries for one install) is one plugin.
             if not any(o.distribution == info.distribution and o.value == info.value for o in same):
                 same.append(info)
+        restricted = allow is not None and allow.restricts(
+            kind, [info for infos in found.values() for info in infos]
+        )
         plugins: dict[str, PluginInfo] = {}
         for name, infos in sorted(found.items()):
             infos.sort(key=lambda i: i.distribution)
-            info = infos[0]
-            if len(infos) > 1:
-                claims = " and ".join(f"{i.distribution} ({i.value})" for i in infos)
-                info.status = "broken"
-                info.problem = f"the name {name!r} is registered by {claims}; uninstall one"
-                info.distribution = ", ".join(i.distribution for i in infos)
-            plugins[name] = info
-        if allow is not None:
-            restricted = allow.restricts(kind, plugins.values())
-            for info in plugins.values():
-                problem = allow.problem(info, restricted)
-                if problem is not None:
-                    info.status, info.problem = "filtered", problem
+            if allow is not None:  # each registration on its own: one of a clash can be left out
+                for info in infos:
+                    problem = allow.problem(info, restricted)
+                    if problem is not None:
+                        info.status, info.problem = "filtered", problem
+            plugins[name] = _one_of(name, infos)
         registry[kind] = plugins
     _registry = registry
     return registry
+
+
+def _one_of(name: str, infos: list[PluginInfo]) -> PluginInfo:
+    """The plugin that ``name`` means when several distributions register it.
+
+    A built-in wins over third-party plugins of its name (a warning names them), so installing
+    a package never takes ``tcp`` or ``numpy`` away; two third-party plugins of one name are an
+    error until one is uninstalled or left out with ``STAGERUN_PLUGINS``.
+    """
+    usable = [i for i in infos if i.status != "filtered"]
+    if not usable:
+        return infos[0]
+    builtins = [i for i in usable if _is_builtin(i)]
+    if builtins and len(builtins) < len(usable):
+        shadowing = [i for i in usable if not _is_builtin(i)]
+        log.warning(
+            "the %s plugin %r of %s is ignored: stagerun's built-in %s of that name wins "
+            "(rename the plugin, or uninstall it or leave it out with %s=-DISTRIBUTION)",
+            _SINGULAR[builtins[0].kind],
+            name,
+            " and ".join(f"{i.distribution} ({i.value})" for i in shadowing),
+            _SINGULAR[builtins[0].kind],
+            ENV,
+        )
+        usable = builtins
+    info = usable[0]
+    if len(usable) > 1:
+        claims = " and ".join(f"{i.distribution} ({i.value})" for i in usable)
+        info.status = "broken"
+        info.problem = (
+            f"the name {name!r} is registered by {claims}; uninstall one, "
+            f"or leave one out with {ENV}=-DISTRIBUTION"
+        )
+        info.distribution = ", ".join(i.distribution for i in usable)
+    return info
 
 
 def installed(kind: Kind | None = None) -> list[PluginInfo]:

@@ -60,6 +60,7 @@ def test_the_challenge_decodes_and_auth_is_the_only_known_flag() -> None:
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "secret"
     path.write_bytes(SECRET + b"\n")
+    path.chmod(0o600)  # private, or it is refused
     assert lane_secret({SECRET_FILE_ENV: str(path)}) == SECRET
     assert lane_secret({SECRET_ENV: SECRET.decode()}) == SECRET
     assert lane_secret({}) is None
@@ -192,6 +193,7 @@ async def test_stage_processes_share_the_secret_file(
 ) -> None:
     secret_file = tmp_path / "lane.secret"
     secret_file.write_bytes(SECRET)
+    secret_file.chmod(0o600)  # private, or it is refused
     monkeypatch.setenv(SECRET_FILE_ENV, str(secret_file))
     async with open_pipeline(tiny_model_path, stages=3, mode="processes") as pipeline:
         assert (await pipeline.complete(PROMPT, max_tokens=8)).token_ids

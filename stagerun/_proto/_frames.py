@@ -19,8 +19,9 @@ early as the bytes allow:
 * ``prefix``: with 8 bytes in hand, both lengths are checked against the limits, so an
   oversized frame is refused before any of it is buffered;
 * ``header``: once the header is complete it is parsed and validated (kind, fields, layout,
-  and that the payload length is exactly what the layout needs), before the payload is waited
-  for;
+  that the payload length is exactly what the layout needs, and that the float32 array it
+  decodes to -- up to 4x a q8 payload -- is within ``max_decoded_bytes``), before the payload
+  is waited for;
 * ``payload``: once the whole frame is buffered it is cut off the front of the buffer.
 
 The buffer is one ``bytearray``; consuming a frame deletes it from the front, which CPython does
@@ -31,6 +32,7 @@ puts the decoder in the ``failed`` state: every later call raises :class:`Protoc
 the stream is out of step and the connection has to be dropped.
 """
 
+import itertools
 import struct
 from typing import Any, Final
 
@@ -52,6 +54,7 @@ from ._messages import (
     MESSAGE_TYPES,
     ActivationMessage,
     Message,
+    _show,
     structure_message,
     unstructure_message,
 )
@@ -66,6 +69,7 @@ _MAX_U32: Final = 0xFFFFFFFF
 _HEADER_KEYS: Final = frozenset({"kind", "fields"})
 _HEADER_KEYS_WITH_LAYOUT: Final = frozenset({"kind", "fields", "layout"})
 _LAYOUT_KEYS: Final = frozenset({"dtype", "rows", "cols"})
+_SHOWN_KEYS: Final = 6  # of a map with the wrong keys, in an error message
 _Layout = tuple[ActivationDType, int, int]
 
 
@@ -141,28 +145,34 @@ def encode_frame(
     return b"".join((_PREFIX.pack(len(packed), payload.nbytes), packed, payload.data))
 
 
+def _show_keys(mapping: dict[Any, Any]) -> str:
+    """The first few keys of a rejected map, each cut short (a header can hold 100,000)."""
+    shown = [_show(key) for key in itertools.islice(mapping, _SHOWN_KEYS)]
+    return ", ".join(shown) + (", ..." if len(mapping) > _SHOWN_KEYS else "")
+
+
 def _parse_layout(value: object, kind: str, tokens: int) -> _Layout:
     if type(value) is not dict:
-        raise ProtocolError(f"the {kind} frame's layout must be a map, got {value!r:.60}.")
+        raise ProtocolError(f"the {kind} frame's layout must be a map, got {_show(value)}.")
     if value.keys() != _LAYOUT_KEYS:
         raise ProtocolError(
             f"the {kind} frame's layout must have exactly the keys dtype, rows and cols, "
-            f"got {sorted(map(repr, value))}."
+            f"got {_show_keys(value)}."
         )
     dtype, rows, cols = value["dtype"], value["rows"], value["cols"]
     if type(dtype) is not str or dtype not in ACTIVATION_DTYPES:
         raise ProtocolError(
-            f"the {kind} frame's activation dtype {dtype!r:.60} is not one of "
+            f"the {kind} frame's activation dtype {_show(dtype)} is not one of "
             f"{', '.join(ACTIVATION_DTYPES)}."
         )
     if type(rows) is not int or rows != tokens:
         raise ProtocolError(
             f"the {kind} frame carries {tokens} tokens but its layout announces "
-            f"{rows!r:.60} activation rows."
+            f"{_show(rows)} activation rows."
         )
     if type(cols) is not int or not 1 <= cols <= MAX_ACTIVATION_COLS:
         raise ProtocolError(
-            f"the {kind} frame's activation width {cols!r:.60} is outside "
+            f"the {kind} frame's activation width {_show(cols)} is outside "
             f"[1, {MAX_ACTIVATION_COLS}]."
         )
     return dtype, rows, cols
@@ -174,14 +184,14 @@ def _parse_header(data: bytearray, payload_len: int) -> tuple[Message, _Layout |
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"the frame header is not valid msgpack ({exc}).") from exc
     if type(header) is not dict:
-        raise ProtocolError(f"the frame header must be a msgpack map, got {header!r:.60}.")
+        raise ProtocolError(f"the frame header must be a msgpack map, got {_show(header)}.")
     if "kind" not in header:
         raise ProtocolError("the frame header has no 'kind' entry.")
     kind = header["kind"]
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:
         raise ProtocolError(
-            f"the frame header names unknown message kind {kind!r:.60}; "
+            f"the frame header names unknown message kind {_show(kind)}; "
             f"expected one of {', '.join(MESSAGE_TYPES)}."
         )
     carries = cls in CARRIES_ACTIVATIONS
@@ -189,7 +199,7 @@ def _parse_header(data: bytearray, payload_len: int) -> tuple[Message, _Layout |
     if header.keys() != expected:
         raise ProtocolError(
             f"a {kind} frame header must have exactly the entries {', '.join(sorted(expected))}, "
-            f"got {', '.join(sorted(map(repr, header)))}."
+            f"got {_show_keys(header)}."
         )
     message = structure_message(kind, header["fields"])
     if not isinstance(message, ActivationMessage):
@@ -214,14 +224,27 @@ class FrameDecoder:
 
     Args:
         max_payload_bytes: the largest activation payload accepted in one frame.
+        max_decoded_bytes: the largest float32 array one frame's activations may decode to
+            (default ``max_payload_bytes``): f16 doubles on decoding and q8 nearly quadruples,
+            so a payload under the limit could still cost four times its size.
     """
 
-    def __init__(self, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        if type(max_payload_bytes) is not int or not 0 <= max_payload_bytes <= _MAX_U32:
-            raise ValueError(
-                f"max_payload_bytes must be in [0, {_MAX_U32}], got {max_payload_bytes!r}."
-            )
+    def __init__(
+        self,
+        *,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        max_decoded_bytes: int | None = None,
+    ) -> None:
+        if max_decoded_bytes is None:
+            max_decoded_bytes = max_payload_bytes
+        for name, value in (
+            ("max_payload_bytes", max_payload_bytes),
+            ("max_decoded_bytes", max_decoded_bytes),
+        ):
+            if type(value) is not int or not 0 <= value <= _MAX_U32:
+                raise ValueError(f"{name} must be in [0, {_MAX_U32}], got {value!r}.")
         self._max_payload_bytes = max_payload_bytes
+        self._max_decoded_bytes = max_decoded_bytes
         self._buffer = bytearray()
         self._header_len = -1  # -1: the prefix of the next frame has not been read yet
         self._payload_len = 0
@@ -284,6 +307,7 @@ class FrameDecoder:
             if len(buffer) < header_end:
                 return NEED_DATA
             self._parsed = _parse_header(buffer[PREFIX_SIZE:header_end], self._payload_len)
+            self._check_decoded_size(*self._parsed)
         frame_end = header_end + self._payload_len
         if len(buffer) < frame_end:
             return NEED_DATA
@@ -295,6 +319,19 @@ class FrameDecoder:
         self._header_len, self._payload_len, self._parsed = -1, 0, None
         self._frames += 1
         return Frame(message, activations)
+
+    def _check_decoded_size(self, message: Message, layout: _Layout | None) -> None:
+        # Before the payload is waited for: the layout says what it will decode to.
+        if layout is None:
+            return
+        dtype, rows, cols = layout
+        decoded = activation_nbytes("f32", rows, cols)
+        if decoded > self._max_decoded_bytes:
+            raise ProtocolError(
+                f"a {message.kind} frame's {dtype} activations of shape [{rows}, {cols}] "
+                f"decode to {decoded} bytes of float32, more than the limit of "
+                f"{self._max_decoded_bytes} bytes."
+            )
 
     def _decode_payload(self, start: int, end: int, layout: _Layout) -> npt.NDArray[np.float32]:
         dtype, rows, cols = layout
@@ -320,14 +357,19 @@ class FrameDecoder:
 
 
 def decode_frame(
-    data: bytes | bytearray | memoryview, *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    data: bytes | bytearray | memoryview,
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    max_decoded_bytes: int | None = None,
 ) -> Frame:
     """Decode ``data`` that must hold exactly one frame (one websocket message, say).
+
+    The limits are `FrameDecoder`'s.
 
     Raises:
         ProtocolError: the frame is malformed, truncated, or followed by more bytes.
     """
-    decoder = FrameDecoder(max_payload_bytes=max_payload_bytes)
+    decoder = FrameDecoder(max_payload_bytes=max_payload_bytes, max_decoded_bytes=max_decoded_bytes)
     decoder.receive_data(data)
     frame = decoder.next_frame()
     if not isinstance(frame, Frame):

@@ -22,14 +22,17 @@ Kind names are class variables (``Decode.kind == "decode"``); :data:`MESSAGE_TYP
 back to classes and :data:`CARRIES_ACTIVATIONS` lists the classes whose frames carry a payload.
 """
 
+import itertools
 import math
 import numbers
 import operator
+import reprlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Final, SupportsIndex, TypeAlias, cast
 
 import attrs
 import cattrs
+import msgpack
 import numpy as np
 import numpy.typing as npt
 from cattrs.gen import make_dict_structure_fn
@@ -50,10 +53,45 @@ _LIMIT_NAMES: Final = {_ID_LIMIT: "2**63", _KEY_LIMIT: "2**64", _TOKEN_LIMIT: "2
 _Validator: TypeAlias = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
+SHOWN_CHARS: Final = 60  # of a rejected value, in an error message: enough to recognise it
+
+
+class _ShortRepr(reprlib.Repr):
+    """`reprlib` that cuts what msgpack decodes to *before* building its repr.
+
+    ``repr(value)[:60]`` would first build the whole repr of a megabyte header; `reprlib`
+    already cuts str, tuples and lists, and here bytes, maps (without sorting their keys) and
+    msgpack's ExtType too.
+    """
+
+    def repr_bytes(self, x: bytes, level: int) -> str:
+        text = repr(x[: self.maxstring])
+        return text if len(x) <= self.maxstring else text + "..."
+
+    def repr_dict(self, x: dict[object, object], level: int) -> str:
+        if not x or level <= 0:
+            return "{}" if not x else "{...}"
+        items = itertools.islice(x.items(), self.maxdict)
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in items]
+        return "{" + ", ".join(pieces) + (", ...}" if len(x) > self.maxdict else "}")
+
+    def repr_ExtType(self, x: msgpack.ExtType, level: int) -> str:  # named for reprlib
+        return f"ExtType(code={x.code}, data={self.repr_bytes(x.data, level - 1)})"
+
+
+_short_repr = _ShortRepr()
+_short_repr.maxstring = _short_repr.maxother = SHOWN_CHARS
+_short_repr.maxlevel = 3
+
+
 def _show(value: object) -> str:
-    """A short repr of a rejected value: what the peer sent, without flooding the error."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    """A short repr of a rejected value: what the peer sent, without flooding the error.
+
+    Its cost does not grow with the value: a megabyte string or a map of 100,000 keys is cut
+    before its repr is built.
+    """
+    text = _short_repr.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 def _where(instance: object, attribute: "attrs.Attribute[Any]") -> str:
@@ -420,8 +458,8 @@ def _structure_hook(cls: type[Any]) -> Callable[[object, object], object]:
             missing = sorted(names - value.keys())
             if missing:
                 raise ValueError(f"{label} is missing field {missing[0]!r}.")
-            extra = sorted(map(repr, value.keys() - names))
-            raise ValueError(f"{label} has unknown field {extra[0]}.")
+            extra = next(key for key in value if key not in names)
+            raise ValueError(f"{label} has unknown field {_show(extra)}.")
         return inner(value, cls)
 
     return structure

@@ -3,20 +3,25 @@
 Theory of operation: ``open_model`` memory-maps the file with ``gguf.GGUFReader`` (which parses
 every key and tensor header up front, about 2 s for the default model because of its 49k-entry
 vocabulary) and checks that it is a llama model whose tensors ``gguf.quants`` can dequantize.
-Nothing is dequantized then. ``ModelFile.load_weights(lo, hi, ...)`` dequantizes only the tensors
-of one stage -- the blocks ``lo..hi-1``, plus the embeddings for the first stage and the output
-norm and head for the last -- into float32 ``(out, in)`` arrays, the orientation a PyTorch
-``nn.Linear`` uses. A tied model (no ``output.weight``) reuses ``token_embd`` as the head.
+Before that, `check_gguf_header` walks the header once, cheaply, and refuses counts and lengths
+the file cannot hold or that pass the ``MAX_GGUF_*`` bounds: the reader spends ~1 KiB and ~12 us
+on every array item, so a hostile 50-byte file announcing millions of them would cost seconds
+and gigabytes. Nothing is dequantized then. ``ModelFile.load_weights(lo, hi, ...)``
+dequantizes only the tensors of one stage -- the blocks ``lo..hi-1``, plus the embeddings for
+the first stage and the output norm and head for the last -- into float32 ``(out, in)`` arrays,
+the orientation a PyTorch ``nn.Linear`` uses. A tied model (no ``output.weight``) reuses ``token_embd`` as the head.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import math
+import mmap
 import os
 import pathlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import gguf
@@ -40,6 +45,17 @@ __all__ = [
 F32 = npt.NDArray[np.float32]
 
 SUPPORTED_ARCHITECTURES = ("llama",)
+
+# Bounds on a GGUF header, checked before gguf.GGUFReader walks it: the reader builds numpy
+# objects for every array item (~12 us and ~1 KiB each), so a few bytes announcing a long array
+# cost seconds and gigabytes. Every count must also fit in the bytes the file has left.
+MAX_GGUF_KEYS = 1 << 16  # real models carry 30-60 metadata keys
+MAX_GGUF_TENSORS = 1 << 16  # a 30-layer llama has 272 tensors, the largest MoE files a few 1000
+MAX_GGUF_KEY_BYTES = 65535  # the GGUF spec's limit on a key's length
+MAX_GGUF_ARRAY_ITEMS = 1 << 20  # 4x Gemma 3's 262,144-token vocabulary (SmolLM2: 49,152)
+MAX_GGUF_METADATA_ITEMS = 1 << 21  # all arrays together: Gemma 3's tokens+scores+types ~786k
+MAX_GGUF_ARRAY_DEPTH = 2  # arrays of arrays, at most; no model nests deeper
+MAX_GGUF_DIMS = 4  # GGML_MAX_DIMS
 
 _LAYER_TENSORS = (
     "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -375,7 +391,133 @@ def _open_cached(path: pathlib.Path, _mtime_ns: int, _size: int) -> ModelFile:
     # Parsing the header and 49k vocabulary entries takes ~2 s; a process that opens the same
     # unchanged file again (several in-process stages, tests) reuses the read-only ModelFile.
     try:
+        check_gguf_header(path)
         reader = gguf.GGUFReader(path, "r")
+    except ModelError:
+        raise
     except Exception as exc:
         raise ModelError(f"{path} is not a readable GGUF file ({exc}).") from exc
     return ModelFile(path, reader)
+
+
+# -- header bounds ------------------------------------------------------------------------
+
+_STRING, _ARRAY = int(gguf.GGUFValueType.STRING), int(gguf.GGUFValueType.ARRAY)
+_SCALAR_BYTES = {int(t): np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
+_MIN_ITEM_BYTES = {**_SCALAR_BYTES, _STRING: 8, _ARRAY: 12}  # an empty string or array
+_BLOCKS = {int(t): sizes for t, sizes in gguf.GGML_QUANT_SIZES.items()}  # elements, bytes
+
+
+def check_gguf_header(path: pathlib.Path) -> None:
+    """Walk the header of the GGUF file ``path`` and refuse sizes it cannot hold.
+
+    Reads lengths and counts only, building nothing, in time linear in the header's bytes:
+    every count of keys, tensors, array items and bytes must fit in what the file has left and
+    stay under the ``MAX_GGUF_*`` bounds. A file that is not GGUF v2/v3 is left to the reader.
+
+    Raises:
+        ModelError: a count or length is over a bound or runs past the end of the file.
+    """
+    with path.open("rb") as file:
+        if os.fstat(file.fileno()).st_size < 8:
+            raise ModelError(f"{path} is not a readable GGUF file (it is too short).")
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"GGUF":
+                return
+            # A version with its low half zero was written on a machine of the other byte order.
+            order: Literal["little", "big"] = "little"
+            if int.from_bytes(data[4:8], order) & 0xFFFF == 0:
+                order = "big"
+            if int.from_bytes(data[4:8], order) not in (2, 3):
+                return
+            try:
+                _HeaderWalk(data, order).walk()
+            except _HeaderError as exc:
+                raise ModelError(f"{path} is not a usable GGUF file: {exc}.") from None
+
+
+class _HeaderError(Exception):
+    pass
+
+
+class _HeaderWalk:
+    """A cursor over a GGUF header that checks each length before it is used."""
+
+    def __init__(self, data: mmap.mmap, order: Literal["little", "big"]) -> None:
+        self.data, self.order = data, order
+        self.offset = 8  # past the magic and the version
+        self.items = 0
+
+    def walk(self) -> None:
+        n_tensors = self.count("the tensor count", 32, MAX_GGUF_TENSORS)
+        n_keys = self.count("the metadata key count", 13, MAX_GGUF_KEYS)
+        for _ in range(n_keys):
+            key = self.string("a metadata key", MAX_GGUF_KEY_BYTES)
+            self.value(self.uint(4, f"the type of {key!r}"), repr(key), 0)
+        for _ in range(n_tensors):
+            name = self.string("a tensor name", MAX_GGUF_KEY_BYTES)
+            n_dims = self.uint(4, f"tensor {name!r}'s dimension count")
+            if not 1 <= n_dims <= MAX_GGUF_DIMS:
+                raise _HeaderError(
+                    f"tensor {name!r} has {n_dims} dimensions, not 1 to {MAX_GGUF_DIMS}"
+                )
+            dims = [self.uint(8, f"tensor {name!r}'s shape") for _ in range(n_dims)]
+            qtype = self.uint(4, f"tensor {name!r}'s type")
+            start = self.uint(8, f"tensor {name!r}'s offset")
+            block = _BLOCKS.get(qtype)
+            size = math.prod(dims) * block[1] // block[0] if block else 0
+            if start + size > len(self.data):
+                raise _HeaderError(
+                    f"tensor {name!r} of shape {dims} needs {size} bytes at data offset "
+                    f"{start}, but the file holds {len(self.data)}"
+                )
+
+    def take(self, n: int, what: str) -> int:
+        start, left = self.offset, len(self.data) - self.offset
+        if n > left:
+            raise _HeaderError(f"{what} needs {n} bytes at offset {start}; only {left} follow")
+        self.offset += n
+        return start
+
+    def uint(self, size: int, what: str) -> int:
+        start = self.take(size, what)
+        return int.from_bytes(self.data[start : start + size], self.order)
+
+    def count(self, what: str, item_bytes: int, bound: int) -> int:
+        n = self.uint(8, what)
+        room = (len(self.data) - self.offset) // item_bytes
+        if n > room:
+            raise _HeaderError(f"{what} is {n}, but the rest of the file holds at most {room}")
+        if n > bound:
+            raise _HeaderError(f"{what} is {n}, more than the limit of {bound}")
+        return n
+
+    def string(self, what: str, bound: int) -> str:
+        n = self.count(f"the length of {what}", 1, bound)
+        start = self.take(n, what)
+        return self.data[start : start + min(n, 60)].decode("utf-8", "replace")
+
+    def value(self, vtype: int, what: str, depth: int) -> None:
+        if vtype in _SCALAR_BYTES:
+            self.take(_SCALAR_BYTES[vtype], what)
+        elif vtype == _STRING:
+            self.string(what, len(self.data))
+        elif vtype == _ARRAY and depth < MAX_GGUF_ARRAY_DEPTH:
+            itype = self.uint(4, f"the item type of {what}")
+            item_bytes = _MIN_ITEM_BYTES.get(itype, 1)
+            n = self.count(f"the length of {what}", item_bytes, MAX_GGUF_ARRAY_ITEMS)
+            self.items += n
+            if self.items > MAX_GGUF_METADATA_ITEMS:
+                raise _HeaderError(
+                    f"the metadata arrays hold more than {MAX_GGUF_METADATA_ITEMS} items "
+                    f"(at {what})"
+                )
+            if itype in _SCALAR_BYTES:
+                self.take(n * _SCALAR_BYTES[itype], what)
+            else:
+                for _ in range(n):
+                    self.value(itype, f"an item of {what}", depth + 1)
+        elif vtype == _ARRAY:
+            raise _HeaderError(f"{what} nests arrays deeper than {MAX_GGUF_ARRAY_DEPTH}")
+        else:
+            raise _HeaderError(f"{what} has the unknown value type {vtype}")
