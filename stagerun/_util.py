@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -91,3 +92,22 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     fields = stat.rsplit(b")", 1)[1].split()  # after the name, which may hold spaces or ")"
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def raise_open_file_limit() -> int | None:
+    """Raise this process's soft limit on open files to its hard limit; return the soft limit.
+
+    Every connection a stage holds is an open file, and the usual soft limit (often 1024) is
+    far below the hard one. None where there is no such limit (no ``resource`` module); where
+    the limit cannot be raised, the soft limit stays as it was and is returned.
+    """
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):  # a sandbox may refuse: keep the soft one
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft

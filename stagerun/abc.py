@@ -55,8 +55,9 @@ class Transport(abc.ABC):
     A connection is a `trio.abc.Stream`. stagerun writes every frame (and each handshake
     message) with exactly one ``send_all`` call, and reads with ``receive_some``, feeding what it
     gets to its frame decoder; so a byte-stream transport (TCP, Unix sockets) passes bytes
-    through, and a message transport (websockets) sends each ``send_all`` as one message and
-    returns messages, or parts of them, from ``receive_some``. ``receive_some`` returns ``b""``
+    through, and a message transport (websockets) may cut a ``send_all`` into several messages
+    (``ws`` sends at most 256 KiB per message, and refuses larger ones) and returns messages,
+    or parts of them, from ``receive_some``. ``receive_some`` returns ``b""``
     once the peer closed the connection, and must be cancel-safe (cancelled, it loses no data).
 
     A stream may also have an ``is_live() -> bool`` method, called on idle pooled connections

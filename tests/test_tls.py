@@ -3,6 +3,7 @@ the certificate's host name is checked, and neither end speaks anything older th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pathlib
 import re
@@ -335,4 +336,42 @@ async def test_a_client_that_offers_only_tls_1_1_is_refused_by_a_stage(
             assert isinstance(lane.stream, TlsStream)
             assert lane.stream.inner.version() in ("TLSv1.2", "TLSv1.3")
             await lane.aclose_forcefully()
+            nursery.cancel_scope.cancel()
+
+
+async def test_stalled_tls_handshakes_are_capped_oldest_first(
+    certificates: trustme.CA, tiny_model: ModelFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sockets that never start TLS hold at most MAX_HANDSHAKES slots: one more closes the
+    oldest at once (not after the 10 s handshake deadline), and an honest lane gets through."""
+    from stagerun.transports import _tls
+
+    monkeypatch.setattr(_tls, "MAX_HANDSHAKES", 4)
+    server = StageServer(NumpyBackend(tiny_model, (2, 4)), index=1, secret=None)
+    with trio.fail_after(LIMIT):
+        async with trio.open_nursery() as nursery:
+            address: str = await nursery.start(server.serve, "tls://127.0.0.1:0")
+            _scheme, host, port = parse_address(address)
+            silent = [await trio.open_tcp_stream(host, port) for _ in range(10)]
+
+            async def closed(stream: trio.SocketStream, within: float) -> bool:
+                with trio.move_on_after(within):
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        while await stream.receive_some(4096):
+                            pass
+                    return True
+                return False
+
+            for stream in silent[:6]:  # the oldest six made room for the newest four
+                assert await closed(stream, within=2.0)
+            for stream in silent[6:]:
+                assert not await closed(stream, within=0.05)
+            with trio.fail_after(2):
+                lane = await open_connection(
+                    address, role=Role.LANE, connect_timeout=2, ready_timeout=2, secret=None
+                )
+            await lane.aclose_forcefully()
+            assert await closed(silent[6], within=2.0)  # the honest lane pushed one more out
+            for stream in silent:
+                await stream.aclose()
             nursery.cancel_scope.cancel()

@@ -1,16 +1,16 @@
 """What a lane worker may see of its stage: a small protocol instead of the whole server.
 
 `stagerun._stage._server.StageServer` implements it. A worker reads the stage's settings,
-computes through `forward` (the stage's tick scheduler batches every lane's forwards), takes parked return
-connections, and adds to the stage's counters; it never reaches the server's listeners,
-handshake or other workers.
+computes through `forward` (the stage's tick scheduler batches every lane's forwards), takes
+parked return connections, charges its sessions to the stage's `SessionBudget`, and adds to
+the stage's counters; it never reaches the server's listeners, handshake or other workers.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from .._proto import ActivationDType
 from .._wire._framed import FrameStream, LinkEmulation
 from ..abc import ComputeBackend, ForwardItem
 from ._scheduler import TickInfo
+
+if TYPE_CHECKING:
+    from ._budget import SessionBudget
 
 
 class StageContext(Protocol):
@@ -27,7 +30,8 @@ class StageContext(Protocol):
     is_last: bool
     wire_dtype: ActivationDType
     link: LinkEmulation
-    reply_timeout: float
+    reply_timeout: float  # the deadline of every write to a peer (upstream, downstream, sink)
+    session_budget: SessionBudget  # what the sessions of all lanes may hold together
     # counters the workers add to; the server reports them
     protocol_errors: int
     stale_dropped: int

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -172,6 +173,10 @@ class TickScheduler:
             if job.outcome is None and job in self._waiting:
                 self._waiting.remove(job)  # cancelled while it waited
         if isinstance(job.outcome, BaseException):
+            # Its traceback's frames hold the tick's items (activations, caches) in a cycle
+            # with the exception: clear their locals (the lines stay for the log), or a peer
+            # sending refused activations fast grows the stage until the cycle collector runs.
+            traceback.clear_frames(job.outcome.__traceback__)
             raise job.outcome
         return job.outcome
 

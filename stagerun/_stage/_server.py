@@ -14,6 +14,16 @@ connection opens with the handshake; its role says what it is:
 When a lane's upstream goes away, the task drops its sessions and closes its downstream (and,
 on the last stage, the bound return connection), so the break travels down the chain and
 reaches stage 0 at once.
+
+Connection limits: whoever connects holds one of the stage's open files until the connection
+closes, so what peers can hold is bounded (`ConnectionTable`). At most ``max_handshakes``
+connections are in their handshake: one more closes the oldest of them (a flood of silent
+sockets then holds that many and no more, and an honest peer, the newest, finishes first). At
+most ``max_connections`` are open: one more closes a handshake in progress, else the one
+quiet longest (an idle lane, which stage 0 replaces when it finds it closed at checkout). A
+connection that carries no byte either way for ``idle_timeout`` is closed. At start the
+open-file limit is raised to its hard limit, and ``max_connections`` kept below it, so the
+stage never runs out of files for an honest peer or for its own downstream hops.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import collections
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,7 +40,8 @@ import trio
 
 from .. import _proto, plugins
 from .._decide._ticks import DEFAULT_TICK_ROWS
-from .._errors import LaneError, LaneHandshakeError, StageError
+from .._errors import LaneError, LaneHandshakeError, ProtocolError, StageError
+from .._util import raise_open_file_limit
 from .._wire._address import parse_address
 from .._wire._auth import SECRET_FILE_ENV, is_loopback, lane_secret
 from .._wire._connect import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
@@ -42,12 +53,23 @@ from .._wire._framed import (
     server_handshake,
 )
 from ..abc import ComputeBackend, ForwardItem
+from ..model import ModelFile
+from ..transports._websocket import parse_ws_address
+from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
+from ._connections import Connection, ConnectionTable, TrackedStream
 from ._scheduler import TickInfo, TickScheduler
 from ._worker import LaneWorker
 
 log = logging.getLogger("stagerun.stage")
 
 SINK_WAIT_SECONDS = 5.0
+# What peers may hold of one stage (see "Connection limits" above).
+DEFAULT_MAX_CONNECTIONS = 1024  # far above an honest pipeline's lanes, standbys and probes
+DEFAULT_MAX_HANDSHAKES = 64  # honest peers take a round trip or two; pools connect one by one
+DEFAULT_IDLE_TIMEOUT = 600.0  # stage 0 replaces idle lanes found closed: minutes cost nothing
+FD_RESERVE = 64  # open files a stage needs besides its connections: model, logs, pipes, epoll
+PRESSURE_LOG_SECONDS = 10.0  # one warning this often at most about connections closed for room
+PLAIN_SCHEMES = ("tcp", "ws")  # transports whose frames cross the network unprotected
 
 
 class StageServer:
@@ -63,6 +85,19 @@ class StageServer:
             secret, its nonce and proof); a peer that stalls is dropped after that.
         max_batch: sessions one tick computes together at most (1: no batching).
         tick_rows: rows one tick computes at most (a larger forward runs alone).
+        max_sessions: requests open at once on this stage, over all its lanes; a
+            ``Configure`` past it is answered with an ``Error``.
+        max_kv_tokens: KV positions the caches of all those requests may reach together; a
+            compute past it is answered with an ``Error``.
+        max_connections: connections open at once, at most (lowered at start to what the
+            open-file limit leaves room for); one more closes the one quiet longest.
+        max_handshakes: connections in their handshake at once, at most; one more closes the
+            oldest of them.
+        idle_timeout: seconds a connection may carry no byte either way before the stage
+            closes it (``math.inf``: never).
+        max_payload_bytes: the largest activation payload one frame from an upstream lane may
+            carry (`stagerun._proto.DEFAULT_MAX_PAYLOAD_BYTES` by default); ``stagerun stage``
+            gives what the model's longest message needs, context x width in float32.
     """
 
     def __init__(
@@ -77,10 +112,25 @@ class StageServer:
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         max_batch: int | None = None,
         tick_rows: int = DEFAULT_TICK_ROWS,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
     ) -> None:
         if not (0 < handshake_timeout < math.inf):
             raise ValueError(
                 f"handshake_timeout must be a positive number of seconds, got {handshake_timeout}"
+            )
+        if max_connections < 1 or max_handshakes < 1:
+            raise ValueError(
+                f"max_connections and max_handshakes must be at least 1, got "
+                f"{max_connections} and {max_handshakes}"
+            )
+        if not idle_timeout > 0:
+            raise ValueError(
+                f"idle_timeout must be a positive number of seconds, got {idle_timeout}"
             )
         if downstream is None and not backend.is_last:
             lo, hi = backend.layers
@@ -100,8 +150,19 @@ class StageServer:
         self.handshake_timeout = handshake_timeout
         self.address: str | None = None
         self.reply_timeout = stage_reply_timeout()
+        self.session_budget = SessionBudget(max_sessions=max_sessions, max_kv_tokens=max_kv_tokens)
         self.refused = 0  # connections turned down in the handshake
         self.protocol_errors = 0  # lanes closed for a malformed frame
+        self.max_connections = max_connections  # as asked; `connection_limit` is what holds
+        self.idle_timeout = idle_timeout
+        self.max_payload_bytes = max_payload_bytes
+        self.turned_away = 0  # connections closed to stay within the limits
+        self.idled_out = 0  # connections closed after idle_timeout without a byte
+        self._connections = ConnectionTable(
+            max_connections=max_connections, max_handshakes=max_handshakes
+        )
+        self._turned_away_unlogged = 0
+        self._pressure_logged_at = -math.inf
         self.scheduler = TickScheduler(backend, max_rows=tick_rows, max_items=max_batch)
         self._sinks: dict[int, FrameStream] = {}
         self._sink_parked = trio.Condition()
@@ -117,6 +178,7 @@ class StageServer:
         lo, hi = self.backend.layers
         return (
             f"<StageServer index={self.index} layers={lo}..{hi} address={self.address} "
+            f"connections={len(self._connections)}/{self.connection_limit} "
             f"lanes={self.lanes_open} sinks={len(self._sinks)} sessions={self.sessions_open} "
             f"computes={self.computes} stale_dropped={self.stale_dropped} "
             f"stale_stopped={self.stale_stopped}>"
@@ -126,6 +188,16 @@ class StageServer:
     def sessions_open(self) -> int:
         """Requests configured on this stage's open lanes and not yet stopped."""
         return sum(len(worker.sessions) for worker in self._workers)
+
+    @property
+    def connection_limit(self) -> int:
+        """Connections this stage holds open at most (``max_connections``, or less at start)."""
+        return self._connections.max_connections
+
+    @property
+    def handshakes_in_progress(self) -> int:
+        """Connections accepted that have not finished their handshake yet."""
+        return self._connections.handshaking
 
     async def serve(
         self,
@@ -142,7 +214,10 @@ class StageServer:
                 plugins.transport_for(candidate)
         transport = plugins.transport_for(address)
         _warn_if_open(address, self.secret, self.index)
+        self._limit_connections(raise_open_file_limit())
         async with trio.open_nursery() as nursery:
+            if self.idle_timeout < math.inf:
+                nursery.start_soon(self._close_idle_connections)
             self.address = await nursery.start(
                 functools.partial(transport.serve, address, self._on_connection)
             )
@@ -158,7 +233,79 @@ class StageServer:
             return "a return connection with this key is already open"
         return None
 
+    def _limit_connections(self, open_files: int | None) -> None:
+        """Keep the connection limit below what ``open_files`` leaves room for."""
+        if open_files is None:
+            return
+        table = self._connections
+        per_connection = 1 if self.is_last else 2  # a middle stage's lane opens its next hop
+        room = max(1, (open_files - FD_RESERVE) // per_connection)
+        if room < self.max_connections:
+            log.info(
+                "stage %d takes at most %d connections: its open-file limit is %d "
+                "(raise the hard limit, ulimit -Hn, to take more)",
+                self.index,
+                room,
+                open_files,
+            )
+        table.max_connections = min(self.max_connections, room)
+        table.max_handshakes = min(table.max_handshakes, table.max_connections)
+
+    async def _close_idle_connections(self) -> None:
+        """Close every connection that has carried no byte for ``idle_timeout`` seconds.
+
+        A return connection bound to a live lane is not idle (a long prefill sends nothing
+        back until its end): the lane's own connection is, and the lane closes it with itself.
+        """
+        while True:
+            now = trio.current_time()
+            for conn in self._connections.quiet_since(now - self.idle_timeout):
+                if conn.in_use():
+                    self._connections.touch(conn, now)  # look again an idle timeout later
+                    continue
+                self._connections.discard(conn)
+                self.idled_out += 1
+                log.info(
+                    "stage %d: closing the connection from %s: no traffic for %gs",
+                    self.index,
+                    conn.peer,
+                    self.idle_timeout,
+                )
+                conn.scope.cancel(reason=f"idle for {self.idle_timeout:g}s")
+            # Connections that come later, or carry bytes meanwhile, go quiet later still.
+            quietest = self._connections.quietest()
+            await trio.sleep_until((quietest.last_active if quietest else now) + self.idle_timeout)
+
+    def _turn_away(self, conn: Connection, reason: str) -> None:
+        """Close ``conn`` to make room; warn now and then (a flood would flood the log)."""
+        self.turned_away += 1
+        self._turned_away_unlogged += 1
+        conn.scope.cancel(reason=reason)
+        now = trio.current_time()
+        if now >= self._pressure_logged_at + PRESSURE_LOG_SECONDS:
+            log.warning(
+                "stage %d closed %d connection(s) to make room (%s; the latest from %s): if "
+                "honest peers need that many, raise the limit; else someone is flooding it",
+                self.index,
+                self._turned_away_unlogged,
+                reason,
+                conn.peer,
+            )
+            self._pressure_logged_at, self._turned_away_unlogged = now, 0
+
     async def _on_connection(self, stream: trio.abc.Stream, peer: str) -> None:
+        conn = Connection(peer, trio.current_time())
+        for victim, reason in self._connections.admit(conn):
+            self._turn_away(victim, reason)
+        try:
+            with conn.scope:
+                await self._serve_connection(TrackedStream(stream, conn, self._connections), conn)
+        finally:
+            self._connections.discard(conn)
+            await trio.aclose_forcefully(stream)
+
+    async def _serve_connection(self, stream: trio.abc.Stream, conn: Connection) -> None:
+        peer = conn.peer
         try:
             framed, hello = await server_handshake(
                 stream,
@@ -167,29 +314,42 @@ class StageServer:
                 check=self._check_hello,
                 link=self.link,
                 secret=self.secret,
+                max_payload_bytes=self.max_payload_bytes,
             )
         except LaneHandshakeError as exc:
             self.refused += 1
             log.info("stage %d: %s", self.index, exc)
-            await trio.aclose_forcefully(stream)
             return
+        self._connections.established(conn)
         if hello.role == _proto.Role.RETURN:
-            await self._park_sink(framed, hello.key)
+            await self._park_sink(framed, hello.key, conn)
         else:
-            self.lanes_open += 1
-            worker = LaneWorker(self, framed)
-            self._workers.add(worker)
-            try:
-                await worker.run()
-            except Exception:
+            await self._run_lane(framed)
+
+    async def _run_lane(self, framed: FrameStream) -> None:
+        self.lanes_open += 1
+        worker = LaneWorker(self, framed)
+        self._workers.add(worker)
+        try:
+            await worker.run()
+        except Exception as exc:
+            ended = _lane_errors(exc)
+            if ended is None:
                 # A bug in one lane must not take the stage down: that lane is closed (its
                 # chain collapses and stage 0 replaces it); the other lanes carry on.
-                log.exception("stage %d: lane from %s failed", self.index, peer)
-            finally:
-                self._workers.discard(worker)
-                self.lanes_open -= 1
+                log.exception("stage %d: lane from %s failed", self.index, framed.peer)
+                return
+            # The lane's connections failed (several tasks may see it): not a bug.
+            self.protocol_errors += sum(isinstance(e.__cause__, ProtocolError) for e in ended)
+            reasons = "; ".join(dict.fromkeys(str(e) for e in ended))
+            log.info("stage %d: lane from %s ended: %s", self.index, framed.peer, reasons)
+        finally:
+            self._workers.discard(worker)
+            self.lanes_open -= 1
 
-    async def _park_sink(self, framed: FrameStream, key: int) -> None:
+    async def _park_sink(self, framed: FrameStream, key: int, conn: Connection) -> None:
+        # Bound to a lane's session, it waits quietly for predictions as long as the lane lives.
+        conn.in_use = lambda: any(worker.sink is framed for worker in self._workers)
         async with self._sink_parked:
             self._sinks[key] = framed
             self._sink_parked.notify_all()
@@ -226,14 +386,18 @@ class StageServer:
 
 
 def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
-    """Warn when a stage without a lane secret listens beyond this machine."""
-    if secret is not None:
-        return
+    """Warn when a stage listens beyond this machine without a lane secret, or in the clear."""
+    scheme = address.partition("://")[0] if "://" in address else "tcp"
     try:
-        _scheme, host, _port = parse_address(address)
+        if scheme in ("ws", "wss"):
+            host, _port, _path = parse_ws_address(address)
+        else:
+            _scheme, host, _port = parse_address(address)
     except ValueError:
         return  # a plugin's address form (unix://...): its own business
-    if not is_loopback(host):
+    if is_loopback(host):
+        return
+    if secret is None:
         log.warning(
             "stage %d serves %s without lane authentication: anyone who can reach it can "
             "send it work. Give every stage the same --secret-file (or $%s).",
@@ -241,6 +405,40 @@ def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
             address,
             SECRET_FILE_ENV,
         )
+    elif scheme in PLAIN_SCHEMES:
+        log.warning(
+            "stage %d serves %s in the clear: the lane secret authenticates each connection, "
+            "but the frames after the handshake are neither encrypted nor protected against "
+            "tampering, so anyone on the network path can read or change them. Serve on "
+            "tls:// or wss:// to protect them.",
+            index,
+            address,
+        )
+
+
+def _lane_errors(exc: Exception) -> list[LaneError] | None:
+    """The `LaneError` ``exc`` is, or every leaf of its group if all are; else None."""
+
+    def leaves(exc: BaseException) -> Iterator[BaseException]:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                yield from leaves(inner)
+        else:
+            yield exc
+
+    found = list(leaves(exc))
+    lane_errors = [leaf for leaf in found if isinstance(leaf, LaneError)]
+    return lane_errors if len(lane_errors) == len(found) else None
+
+
+def payload_limit(model: ModelFile) -> int:
+    """The largest activation payload an honest upstream sends a stage of ``model``.
+
+    A prefill sends at most the whole context in one message (the ``unchunked`` policy), in
+    float32 at most: anything larger is refused from its frame's prefix, before it is read.
+    """
+    c = model.config
+    return min(_proto.DEFAULT_MAX_PAYLOAD_BYTES, c.context_length * c.d_model * 4)
 
 
 async def serve_stage(
@@ -253,12 +451,20 @@ async def serve_stage(
     link: LinkEmulation = NO_EMULATION,
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     max_batch: int | None = None,
+    max_sessions: int = DEFAULT_MAX_SESSIONS,
+    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one stage on ``listen`` until cancelled.
 
     ``await nursery.start(serve_stage, ...)`` gives the address it really listens on.
-    ``handshake_timeout`` and ``max_batch`` are `StageServer`'s.
+    ``handshake_timeout``, ``max_batch``, ``max_sessions``, ``max_kv_tokens``,
+    ``max_connections``, ``max_handshakes``, ``idle_timeout`` and ``max_payload_bytes`` are
+    `StageServer`'s.
     """
     server = StageServer(
         backend,
@@ -268,5 +474,11 @@ async def serve_stage(
         link=link,
         handshake_timeout=handshake_timeout,
         max_batch=max_batch,
+        max_sessions=max_sessions,
+        max_kv_tokens=max_kv_tokens,
+        max_connections=max_connections,
+        max_handshakes=max_handshakes,
+        idle_timeout=idle_timeout,
+        max_payload_bytes=max_payload_bytes,
     )
     await server.serve(listen, task_status=task_status)

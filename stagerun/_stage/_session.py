@@ -3,7 +3,11 @@
 A `Session` is what a ``Configure`` opens on a stage and a ``Stop`` ends: the backend's cache
 for the request, its sampling settings, and the counts its summary span reports (`summarize`).
 `check_finite` refuses a forward's output that overflowed; a `StopCheck` is how a ``Cancel``
-read meanwhile stops a verify window's compute at a layer boundary. The lane around them is `stagerun._stage._worker.LaneWorker`'s.
+read meanwhile stops a verify window's compute at a layer boundary. The lane around them is
+`stagerun._stage._worker.LaneWorker`'s.
+
+What the sessions of every lane on a stage hold together is bounded by the stage's
+`stagerun._stage._budget.SessionBudget`.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Session:
     tokens: int = 0
     compute_us: int = 0
     forward_write_us: int = 0
+    kv_positions: int = 0  # the furthest position charged to the stage's `SessionBudget`
 
 
 def us_since(start: float) -> int:

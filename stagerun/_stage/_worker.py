@@ -17,6 +17,15 @@ a gap in the positions, activations of the wrong width or not finite) is answere
 ``Error`` and the lane carries on. What one lane holds is bounded: at most
 `MAX_SESSIONS_PER_LANE` sessions (a lane carries one request at a time), and a ``Cancel``
 leaves nothing behind but its effect on the windows it names that this stage holds.
+
+What a peer can make a stage hold is bounded too. The reader queues at most
+`MAX_QUEUED_FRAMES` frames, or `MAX_QUEUED_BYTES` of them, then stops reading until the worker
+has carried one out: TCP then stalls the peer, whatever it sends. Every write (upstream,
+downstream, on the return connection) has the stage's ``reply_timeout``: a peer that does not
+read its replies has its lane closed when a write to it has waited that long. The sessions
+of all lanes together are limited by the stage's `SessionBudget` (how many, and the KV
+positions they reach): a ``Configure`` or a compute past it gets an ``Error``, and the
+other lanes carry on.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from .._wire._framed import FrameStream, LinkEmulation
 from ..abc import ForwardItem
 from ..telemetry import Telemetry, now_ns
 from ._context import StageContext
+from ._queue import MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, FrameQueue
 from ._scheduler import TickInfo
 from ._session import (
     Session,
@@ -81,6 +91,11 @@ class LaneWorker:
     carries them out one at a time. Reading ahead is what makes cancellation cheap: a
     ``Cancel`` is applied the moment it is read, so stale windows still in the queue are
     dropped unseen and a stale window being computed stops at its next layer boundary.
+
+    Reading ahead is bounded (`MAX_QUEUED_FRAMES`, `MAX_QUEUED_BYTES`): with a full queue
+    the reader waits, and a ``Cancel`` behind it is read once the worker has carried out a
+    frame. What stage 0 keeps in flight on a lane is well below the bound, so an honest
+    lane's Cancels are always read at once.
     """
 
     def __init__(self, server: StageContext, upstream: FrameStream) -> None:
@@ -89,9 +104,7 @@ class LaneWorker:
         self.down: FrameStream | None = None
         self.sink: FrameStream | None = None
         self.sessions: dict[int, Session] = {}
-        self._queue: deque[_proto.Frame] = deque()
-        self._wakeup = trio.Event()
-        self._upstream_closed = False
+        self._queue = FrameQueue(max_frames=MAX_QUEUED_FRAMES, max_bytes=MAX_QUEUED_BYTES)
         # The verify window being carried out (from its dispatch to the end of its compute),
         # and whether a Cancel named it meanwhile: its compute stops at the next layer.
         self._current: _proto.Verify | None = None
@@ -114,6 +127,8 @@ class LaneWorker:
                     self.server.protocol_errors += 1
                 log.info("stage %d: lane from %s ended: %s", self.server.index, self.up.peer, exc)
         finally:
+            for session in self.sessions.values():
+                self.server.session_budget.close(session)
             self.sessions.clear()
             with trio.CancelScope(shield=True):
                 if self.down is not None:
@@ -125,6 +140,7 @@ class LaneWorker:
     async def _read_upstream(self) -> None:
         try:
             while True:
+                await self._queue.wait_for_room()  # else the peer waits (TCP back-pressure)
                 started = now_ns()
                 frame = await self.up.receive()
                 tel = telemetry.current()
@@ -140,25 +156,18 @@ class LaneWorker:
                     )
                 if isinstance(frame.message, _proto.Cancel):
                     self._apply_cancel(frame.message)
-                self._queue.append(frame)
-                self._wakeup.set()
+                self._queue.put(frame)
         except LaneError as exc:  # upstream went away: the chain is over once the queue is done
             if isinstance(exc.__cause__, ProtocolError):
                 self.server.protocol_errors += 1
                 log.info("stage %d: %s", self.server.index, exc)
         finally:
-            self._upstream_closed = True
-            self._wakeup.set()
+            self._queue.close()
 
     async def _work(self) -> None:
-        while True:
-            while not self._queue:
-                if self._upstream_closed:
-                    return
-                self._wakeup = trio.Event()
-                await self._wakeup.wait()
+        while (frame := await self._queue.get()) is not None:
             try:
-                await self._dispatch(self._queue.popleft())
+                await self._dispatch(frame)
             except ProtocolError as exc:  # the upstream is out of step: this lane is over
                 self.server.protocol_errors += 1
                 log.info("stage %d: lane from %s: %s", self.server.index, self.up.peer, exc)
@@ -181,13 +190,7 @@ class LaneWorker:
                 and message.window_id in named
             )
 
-        kept: deque[_proto.Frame] = deque()
-        for frame in self._queue:
-            if stale(frame.message):
-                self.server.stale_dropped += 1
-            else:
-                kept.append(frame)
-        self._queue = kept
+        self.server.stale_dropped += self._queue.drop(stale)
         if self._current is not None and stale(self._current):
             self._current_cancelled = True
 
@@ -224,19 +227,7 @@ class LaneWorker:
                         f"{MAX_SESSIONS_PER_LANE} requests on one lane; a lane carries one "
                         "request at a time"
                     )
-                if self.server.is_last:
-                    try:
-                        self.sink = await self.server.take_sink(message.return_key)
-                    except StageError as exc:
-                        # No session: the prefill stage 0 sent right behind is refused too.
-                        await self._fail(message.request_id, str(exc), upstream=True)
-                        return
-                self.sessions[message.request_id] = Session(
-                    cache=self.server.backend.new_cache(),
-                    sampling=message.sampling,
-                    prompt_len=message.prompt_len,
-                )
-                await self._relay_ack(message, _proto.StageStats(stage_count=1), fresh_session=True)
+                await self._configure(message)
             case _proto.Prefill() | _proto.Decode() | _proto.Verify():
                 await self._forward_pass(message, frame.activations)
             case _proto.Trim():
@@ -247,6 +238,7 @@ class LaneWorker:
             case _proto.Stop():
                 ended = self.sessions.pop(message.request_id, None)
                 if ended is not None:
+                    self.server.session_budget.close(ended)
                     summarize(self.server, message.request_id, ended)
                 self._replied.pop(message.request_id, None)
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
@@ -258,6 +250,35 @@ class LaneWorker:
                 )
             case _:
                 assert_never(message)
+
+    async def _configure(self, message: _proto.Configure) -> None:
+        """Open the request's session (replacing one of the same id) and pass it on.
+
+        A refused one (no return connection, or the stage's `SessionBudget` is spent) gets an
+        ``Error`` and no session, so the prefill stage 0 sent right behind is refused too.
+        """
+        rid = message.request_id
+        if self.server.is_last:
+            try:
+                self.sink = await self.server.take_sink(message.return_key)
+            except StageError as exc:
+                await self._fail(rid, str(exc), upstream=True)
+                return
+        budget = self.server.session_budget
+        replaced = self.sessions.pop(rid, None)
+        if replaced is not None:
+            budget.close(replaced)
+        refusal = budget.open()
+        if refusal is not None:
+            text = f"stage {self.server.index} refused request {rid}: {refusal}"
+            await self._fail(rid, text, upstream=True)
+            return
+        self.sessions[rid] = Session(
+            cache=self.server.backend.new_cache(),
+            sampling=message.sampling,
+            prompt_len=message.prompt_len,
+        )
+        await self._relay_ack(message, _proto.StageStats(stage_count=1), fresh_session=True)
 
     async def _cancel(self, message: _proto.Cancel) -> None:
         if not self.server.is_last:
@@ -277,7 +298,7 @@ class LaneWorker:
         self, message: _proto.Message, own: _proto.StageStats, *, fresh_session: bool = False
     ) -> None:
         if self.server.is_last:
-            await self.up.send(_proto.Ack(request_id=message.request_id, stats=own))
+            await self._send_up(_proto.Ack(request_id=message.request_id, stats=own))
             return
         try:
             down = await self._downstream(fresh_session=fresh_session)
@@ -321,9 +342,13 @@ class LaneWorker:
                     )
                 stats = own.merge(reply.stats)
                 stats = attrs.evolve(stats, downstream_wait_us=stats.downstream_wait_us + wait_us)
-                await self.up.send(_proto.Ack(request_id=owed.request_id, stats=stats))
+                await self._send_up(_proto.Ack(request_id=owed.request_id, stats=stats))
             else:
-                await self.up.send(reply)  # an Error from further down, unchanged
+                await self._send_up(reply)  # an Error from further down, unchanged
+
+    async def _send_up(self, reply: _proto.Message) -> None:
+        """Reply upstream; a peer that has not read its replies for a while loses the lane."""
+        await self.up.send(reply, timeout=self.server.reply_timeout)
 
     async def _forward_pass(
         self, message: _proto.ActivationMessage, activations: np.ndarray[Any, Any] | None
@@ -342,6 +367,13 @@ class LaneWorker:
                 upstream=fail_upstream,
             )
             return
+        # The cache can reach no further: a position past its length is a gap, which fails.
+        end = min(message.position, session.cache.length) + len(message.tokens)
+        refusal = server.session_budget.grow(session, end)
+        if refusal is not None:
+            text = f"stage {server.index} has no room for request {message.request_id}: "
+            await self._fail(message.request_id, text + refusal, upstream=fail_upstream)
+            return
         computed = await self._compute(message, activations, session, fail_upstream=fail_upstream)
         if computed is None:
             return
@@ -351,7 +383,7 @@ class LaneWorker:
         if not server.is_last:
             await self._forward(message, session, out, stats, tel, owes_ack=not wants_predictions)
         elif not wants_predictions:
-            await self.up.send(_proto.Ack(request_id=message.request_id, stats=stats))
+            await self._send_up(_proto.Ack(request_id=message.request_id, stats=stats))
         else:
             await self._reply_predictions(message, session, out, stats)
 

@@ -310,6 +310,7 @@ async def server_handshake(
     check: Callable[[_proto.Hello], str | None] | None = None,
     link: LinkEmulation = NO_EMULATION,
     secret: bytes | None = None,
+    max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> tuple[FrameStream, _proto.Hello]:
     """Read and check the client's hello, authenticate it, answer READY; return the stream.
 
@@ -375,7 +376,7 @@ async def server_handshake(
         await stream.send_all(_proto.encode_ready())
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc
-    return FrameStream(stream, peer=peer, link=link), hello
+    return FrameStream(stream, peer=peer, link=link, max_payload_bytes=max_payload_bytes), hello
 
 
 async def _refuse(stream: trio.abc.Stream, reason: str) -> None:

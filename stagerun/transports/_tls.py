@@ -38,6 +38,7 @@ from .._errors import LaneHandshakeError
 from .._wire._address import format_address, parse_address
 from .._wire._framed import socket_is_idle
 from ..abc import ConnectionHandler, Transport
+from ._slots import Slots
 from ._tcp import open_tcp
 
 __all__ = ["TlsStream", "TlsTransport", "client_context", "server_context"]
@@ -46,6 +47,10 @@ CERT_ENV = "STAGERUN_TLS_CERT"
 KEY_ENV = "STAGERUN_TLS_KEY"
 CA_ENV = "STAGERUN_TLS_CA"
 HANDSHAKE_SECONDS = 10.0
+# TLS handshakes in progress at once on a stage, at most; one more closes the oldest. An honest
+# handshake takes a round trip or two, so a flood of silent sockets holds this many, each for
+# at most HANDSHAKE_SECONDS (the stage's own limits count a connection once TLS is up).
+MAX_HANDSHAKES = 64
 # OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH.
 _NAME_MISMATCH = (62, 64)
 
@@ -185,6 +190,7 @@ class TlsTransport(Transport):
         """Accept TLS connections; a failed TLS handshake ends only that connection."""
         _scheme, host, port = parse_address(address)
         context = server_context()
+        handshaking = Slots(MAX_HANDSHAKES, "TLS handshakes")
 
         async def handle(tcp: trio.SocketStream) -> None:
             try:
@@ -194,10 +200,15 @@ class TlsTransport(Transport):
                 peer = "tls://<unknown>"
             tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
             stream = trio.SSLStream(tcp, context, server_side=True)
-            try:
-                with trio.fail_after(HANDSHAKE_SECONDS):
-                    await stream.do_handshake()
-            except (trio.TooSlowError, trio.BrokenResourceError, OSError):
+            done = False
+            with handshaking.slot(peer):  # cancelled to make room for a newer handshake
+                try:
+                    with trio.fail_after(HANDSHAKE_SECONDS):
+                        await stream.do_handshake()
+                    done = True
+                except (trio.TooSlowError, trio.BrokenResourceError, OSError):
+                    pass
+            if not done:
                 await trio.aclose_forcefully(tcp)
                 return
             await handler(TlsStream(stream), peer)

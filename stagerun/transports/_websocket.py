@@ -1,14 +1,24 @@
 """Websocket transport: lanes that cross proxies and firewalls which only pass HTTP.
 
-Theory of operation: a lane is one websocket connection and every frame is one binary
-message, so the frame codec, the handshake and the lane logic are the same as over TCP. Each
-side wraps its connection in a `trio.abc.Stream` whose ``send_all`` sends one message and whose
-``receive_some`` returns message bytes, which stagerun's frame decoder takes as it takes TCP
-bytes.
+Theory of operation: a lane is one websocket connection carrying binary messages, so the
+frame codec, the handshake and the lane logic are the same as over TCP. Each side wraps its
+connection in a `trio.abc.Stream` whose ``send_all`` sends the bytes as one or more messages of
+at most `MAX_MESSAGE_BYTES` and whose ``receive_some`` returns message bytes, which stagerun's
+frame decoder takes as it takes TCP bytes: message boundaries mean nothing to it, so a frame of
+any size the codec accepts crosses as several messages.
 
-The server is trio-websocket's: its message size limit is raised to the largest frame the codec
-accepts, its receive buffer to 256 KiB (a 1-token f32 frame is ~2.4 KB; a prefill chunk of 256
-tokens ~600 KB), and it keeps a few messages queued so a stage's reader never stalls the socket.
+Messages are small because a websocket message is buffered whole before anything reads it, and
+the first one arrives before the lane handshake: its size is what any peer that can reach the
+port makes a stage hold. The server (trio-websocket's) refuses a larger message with close code
+1009 while assembling it, and reads at most `SERVER_MESSAGE_QUEUE` messages ahead of the lane.
+So one connection, authenticated or not, holds at most queue + 2 whole messages (queued, handed
+over by the reader, being read by the lane) plus one socket read: 4 x 256 KiB + 64 KiB, about
+1.1 MiB (one message more for the instant trio-websocket joins a message's parts).
+
+The stage sees a connection only once it is upgraded, so this module bounds upgrades itself:
+`MAX_UPGRADES` at once (one more closes the oldest), each within `CONNECT_TIMEOUT` (h11 caps the
+request head at 16 KiB); a refused upgrade is closed at once.
+
 The client speaks the same protocol through wsproto (which trio-websocket is built on), driven
 by the lane's own reads: trio-websocket's client needs a nursery that outlives the connection
 to run its reader task, while a lane is an object in a pool. This way a websocket lane needs no
@@ -18,6 +28,8 @@ nothing, because bytes read from the socket are parsed before the next checkpoin
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import trio
@@ -28,24 +40,36 @@ from wsproto.connection import ConnectionState
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from .._errors import LaneHandshakeError
-from .._proto import DEFAULT_MAX_PAYLOAD_BYTES
-from .._proto._frames import MAX_HEADER_BYTES, PREFIX_SIZE
 from .._wire._address import format_address
 from .._wire._framed import socket_is_idle
 from ..abc import ConnectionHandler, Transport
+from ._slots import Slots
 from ._tcp import open_tcp
 from ._tls import TlsStream, client_context, server_context
 
 __all__ = ["WebSocketTransport"]
 
-MAX_MESSAGE_BYTES = PREFIX_SIZE + MAX_HEADER_BYTES + DEFAULT_MAX_PAYLOAD_BYTES
-RECEIVE_BUFFER_BYTES = 256 * 1024
-SERVER_MESSAGE_QUEUE = 8
+log = logging.getLogger("stagerun.transports")
+
+# The largest websocket message sent or accepted: what one message makes the receiver buffer
+# before it reads a byte. 256 KiB keeps a decode frame (~2.4 KB) in one message and splits a
+# 512-token f32 prefill chunk (1.2 MB) into five, at 14 bytes of websocket framing each.
+MAX_MESSAGE_BYTES = 256 * 1024
+# Bytes read from the socket at a time, by trio-websocket's reader and by the client.
+RECEIVE_BUFFER_BYTES = 64 * 1024
+# Whole messages the server may read ahead of the lane: enough to keep the socket draining while
+# the lane decodes, few enough to keep the bound above near 1 MiB per connection.
+SERVER_MESSAGE_QUEUE = 2
 LANE_PATH = "/stagerun/lane"
 # An upgrade must complete, and a closing peer answer the close, within these (seconds); an
 # idle pooled lane is not read until it is checked out, so its close reply may never come.
 CONNECT_TIMEOUT = 10.0
 DISCONNECT_TIMEOUT = 2.0
+# Connections in their websocket upgrade at once, at most; one more closes the oldest. The stage
+# bounds a connection only once it is upgraded; an honest peer upgrades in one round trip, so a
+# flood of stalled upgrades holds this many sockets, each with at most a 16 KiB request head
+# (h11's cap) and one socket read, and no more.
+MAX_UPGRADES = 64
 
 
 def parse_ws_address(address: str) -> tuple[str, int, str]:
@@ -64,6 +88,13 @@ def parse_ws_address(address: str) -> tuple[str, int, str]:
     return host.strip("[]") or "127.0.0.1", port, "/" + path if slash else LANE_PATH
 
 
+def _messages(data: bytes | bytearray | memoryview) -> Iterator[bytes]:
+    """``data`` cut into websocket messages of at most `MAX_MESSAGE_BYTES` (none if empty)."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), MAX_MESSAGE_BYTES):
+        yield bytes(view[start : start + MAX_MESSAGE_BYTES])
+
+
 class _ServerStream(trio.abc.Stream):
     """An accepted trio-websocket connection as a stream of message bytes."""
 
@@ -71,10 +102,13 @@ class _ServerStream(trio.abc.Stream):
         self._ws = ws
         self._leftover = b""
         self._eof = False
+        self._send_lock = trio.StrictFIFOLock()  # one send_all's messages stay together
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         try:
-            await self._ws.send_message(bytes(data))
+            async with self._send_lock:
+                for message in _messages(data):
+                    await self._ws.send_message(message)
         except trio_websocket.ConnectionClosed as exc:
             raise trio.BrokenResourceError("the websocket is closed") from exc
 
@@ -82,7 +116,9 @@ class _ServerStream(trio.abc.Stream):
         await trio.lowlevel.checkpoint()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        if not self._leftover and not self._eof:
+        if self._leftover or self._eof:
+            await trio.lowlevel.checkpoint()
+        while not self._leftover and not self._eof:  # an empty message is not the end
             try:
                 message = await self._ws.get_message()
             except trio_websocket.ConnectionClosed:
@@ -92,8 +128,6 @@ class _ServerStream(trio.abc.Stream):
                     await self._ws.aclose(code=1003, reason="stagerun lanes carry binary frames")
                     raise trio.BrokenResourceError("the peer sent a text message on a lane")
                 self._leftover = message
-        else:
-            await trio.lowlevel.checkpoint()
         size = len(self._leftover) if max_bytes is None else max_bytes
         data, self._leftover = self._leftover[:size], self._leftover[size:]
         return data
@@ -109,7 +143,8 @@ class _ClientStream(trio.abc.Stream):
         self._stream = stream
         self._ws = ws
         self._pending = bytearray()  # message bytes received, not yet returned
-        self._control = bytearray()  # pongs and close replies to send with the next write
+        self._message_bytes = 0  # of the message being received, so far
+        self._control = bytearray()  # pongs and close frames to send with the next write
         self._eof = False
         self._send_lock = trio.StrictFIFOLock()
 
@@ -127,6 +162,19 @@ class _ClientStream(trio.abc.Stream):
     def _take_events(self) -> None:
         for event in self._ws.events():
             if isinstance(event, ws_events.BytesMessage):
+                # wsproto hands over a message in parts as they arrive: count them, so that an
+                # oversized message is refused before it is held, as the server refuses one.
+                self._message_bytes += len(event.data)
+                if self._message_bytes > MAX_MESSAGE_BYTES:
+                    self._eof = True
+                    reason = f"message larger than {MAX_MESSAGE_BYTES} bytes"
+                    self._control += self._ws.send(ws_events.CloseConnection(1009, reason))
+                    raise trio.BrokenResourceError(
+                        f"the peer sent a websocket message larger than {MAX_MESSAGE_BYTES} "
+                        "bytes (a stagerun peer splits frames into smaller messages)"
+                    )
+                if event.message_finished:
+                    self._message_bytes = 0
                 self._pending += event.data
             elif isinstance(event, ws_events.Ping):
                 self._control += self._ws.send(event.response())
@@ -139,7 +187,9 @@ class _ClientStream(trio.abc.Stream):
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         try:
-            out = self._ws.send(ws_events.BytesMessage(data=bytes(data)))
+            out = b"".join(
+                self._ws.send(ws_events.BytesMessage(data=message)) for message in _messages(data)
+            )
         except LocalProtocolError as exc:
             raise trio.ClosedResourceError("the websocket is closing") from exc
         async with self._send_lock:
@@ -173,12 +223,13 @@ class _ClientStream(trio.abc.Stream):
 
     async def aclose(self) -> None:
         try:
+            out = bytes(self._control)  # with a close already queued, if a read refused one
             if self._ws.state is ConnectionState.OPEN:
+                out += self._ws.send(ws_events.CloseConnection(code=1000))
+            if out:
                 with trio.move_on_after(1) as scope:
                     scope.shield = True
-                    await self._stream.send_all(
-                        bytes(self._control) + self._ws.send(ws_events.CloseConnection(code=1000))
-                    )
+                    await self._stream.send_all(out)
         except (trio.BrokenResourceError, trio.ClosedResourceError, LocalProtocolError):
             pass
         finally:
@@ -244,6 +295,10 @@ class WebSocketTransport(Transport):
             raise LaneHandshakeError(
                 f"could not connect to {where}: {exc.strerror or exc}"
             ) from exc
+        except (RemoteProtocolError, trio.BrokenResourceError) as exc:
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+            raise LaneHandshakeError(f"the websocket upgrade with {where} failed: {exc}") from exc
         except BaseException:
             if stream is not None:
                 await trio.aclose_forcefully(stream)
@@ -256,24 +311,52 @@ class WebSocketTransport(Transport):
         *,
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept websocket lanes on ``address``; each one runs ``handler(stream, peer)``."""
-        host, port, path = parse_ws_address(address)
-        ssl_context = server_context() if self.secure else None
+        """Accept websocket lanes on ``address``; each one runs ``handler(stream, peer)``.
 
-        async def handle(request: trio_websocket.WebSocketRequest) -> None:
+        The stage sees a connection once its upgrade is done; until then this bounds it: at
+        most `MAX_UPGRADES` upgrade at once (one more closes the oldest), each for at most
+        `CONNECT_TIMEOUT` seconds, and a refused upgrade is closed at once.
+        """
+        host, port, path = parse_ws_address(address)
+        scheme = self.schemes[0]
+        if self.secure:
+            listeners: list[trio.abc.Listener[Any]] = list(
+                await trio.open_ssl_over_tcp_listeners(
+                    port, server_context(), host=host, https_compatible=True
+                )
+            )
+        else:
+            listeners = list(await trio.open_tcp_listeners(port, host=host))
+        upgrading = Slots(MAX_UPGRADES, "websocket upgrades")
+
+        async def upgrade(
+            nursery: trio.Nursery, stream: trio.abc.Stream, peer: str
+        ) -> trio_websocket.WebSocketRequest | None:
+            with upgrading.slot(peer):  # cancelled to make room for a newer upgrade
+                try:
+                    with trio.fail_after(CONNECT_TIMEOUT):
+                        return await trio_websocket.wrap_server_stream(
+                            nursery,
+                            stream,
+                            message_queue_size=SERVER_MESSAGE_QUEUE,
+                            max_message_size=MAX_MESSAGE_BYTES,
+                            receive_buffer_size=RECEIVE_BUFFER_BYTES,
+                        )
+                except trio.TooSlowError:
+                    log.info(
+                        "closing the connection from %s: no websocket upgrade within %gs",
+                        peer,
+                        CONNECT_TIMEOUT,
+                    )
+            return None
+
+        async def lane(request: trio_websocket.WebSocketRequest, peer: str) -> None:
             if request.path != path:
                 await request.reject(404, body=f"stagerun lanes are served at {path}".encode())
                 return
             ws = await request.accept()
-            remote = ws.remote
-            peer = (
-                format_address(self.schemes[0], str(remote.address), remote.port)
-                if isinstance(remote, trio_websocket.Endpoint)
-                else "ws://<unknown>"
-            )
-            stream = _ServerStream(ws)
             try:
-                await handler(stream, peer)
+                await handler(_ServerStream(ws), peer)
             finally:
                 # The client answers a close only when it next reads or writes: an idle pooled
                 # lane may never answer, so the close is bounded.
@@ -281,24 +364,41 @@ class WebSocketTransport(Transport):
                     scope.shield = True
                     await ws.aclose()
 
+        async def on_connection(stream: trio.abc.Stream) -> None:
+            peer = _peer(stream, scheme)
+            try:
+                async with trio.open_nursery() as nursery:  # runs trio-websocket's reader
+                    request = await upgrade(nursery, stream, peer)
+                    if request is not None:
+                        await lane(request, peer)
+                    nursery.cancel_scope.cancel(reason="the connection is done")
+            finally:
+                await trio.aclose_forcefully(stream)
+
+        bound = _bound_port(listeners[0])
         async with trio.open_nursery() as nursery:
-            server = await nursery.start(
-                lambda task_status: trio_websocket.serve_websocket(
-                    handle,
-                    host,
-                    port,
-                    ssl_context,
-                    message_queue_size=SERVER_MESSAGE_QUEUE,
-                    max_message_size=MAX_MESSAGE_BYTES,
-                    receive_buffer_size=RECEIVE_BUFFER_BYTES,
-                    connect_timeout=CONNECT_TIMEOUT,
-                    disconnect_timeout=DISCONNECT_TIMEOUT,
-                    task_status=task_status,
-                )
-            )
-            bound = server.port
+            nursery.start_soon(trio.serve_listeners, on_connection, listeners)
             suffix = "" if path == LANE_PATH else path
-            task_status.started(format_address(self.schemes[0], host, bound) + suffix)
+            task_status.started(format_address(scheme, host, bound) + suffix)
+
+
+def _socket_of(stream: trio.abc.Stream | trio.abc.Listener[Any]) -> Any:
+    """The socket under a (TLS) socket stream or listener, or None."""
+    inner = getattr(stream, "transport_stream", None) or getattr(stream, "transport_listener", None)
+    return getattr(inner if inner is not None else stream, "socket", None)
+
+
+def _peer(stream: trio.abc.Stream, scheme: str) -> str:
+    try:
+        host, port = _socket_of(stream).getpeername()[:2]
+    except (AttributeError, OSError):
+        return f"{scheme}://<unknown>"
+    return format_address(scheme, host, port)
+
+
+def _bound_port(listener: trio.abc.Listener[Any]) -> int:
+    port: int = _socket_of(listener).getsockname()[1]
+    return port
 
 
 class SecureWebSocketTransport(WebSocketTransport):
