@@ -261,8 +261,16 @@ def test_cli_reports_a_missing_model_in_one_line(tmp_path: Path) -> None:
     assert out.stderr.startswith("stagerun: error:") and "nope.gguf" in out.stderr
 
 
-async def test_a_restarted_stage_serves_the_next_request(tiny: Path) -> None:
-    """A stage restarted by someone else (not the supervisor) is picked up too."""
+async def test_a_restarted_stage_serves_the_next_request(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage restarted by someone else (not the supervisor) is picked up too, when it holds
+    the lane secret (without one from the user the stages get their own, and stage 0 refuses
+    a stranger on a dead stage's port: tests/test_hostile_supervision.py)."""
+    secret = tmp_path / "lane.secret"
+    secret.write_bytes(os.urandom(16).hex().encode())
+    secret.chmod(0o600)
+    monkeypatch.setenv("STAGERUN_SECRET_FILE", str(secret))  # the hand-started stage's too
     reference = await _greedy(tiny, 1)
     async with open_pipeline(
         tiny, stages=3, mode="processes", supervision=SupervisionPolicy(restart=False)

@@ -234,9 +234,8 @@ def test_bad_requests_get_the_openai_error_envelope(
     server: LiveServer, body: Any, status: int, param: str | None, words: str
 ) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(
-        server.url + "/v1/chat/completions", content=content, headers={"x-request-id": "req-1"}
-    )
+    headers = {"x-request-id": "req-1", "content-type": "application/json"}
+    response = httpx.post(server.url + "/v1/chat/completions", content=content, headers=headers)
     assert response.status_code == status
     assert response.headers["x-request-id"] == "req-1"
     error = response.json()["error"]
@@ -270,10 +269,16 @@ def test_health_follows_a_killed_stage_and_errors_map_to_502_and_504(
     tiny: Path, tmp_path: Path
 ) -> None:
     # Restarts and recovery off: this test is about what a client sees when a stage is gone.
+    # A lane secret, so that the stage started by hand below is let in (stage 0 refuses a
+    # stranger on a dead stage's port: tests/test_hostile_supervision.py).
+    secret = tmp_path / "lane.secret"
+    secret.write_bytes(os.urandom(16).hex().encode())
+    secret.chmod(0o600)
+    env = {"STAGERUN_SECRET_FILE": str(secret)}
     live = LiveServer(
         ["--model", str(tiny), "--no-restart", "--recovery-timeout", "0"],
         tmp_path / "serve.log",
-        env={"STAGERUN_STAGE_REPLY_TIMEOUT_SECS": "2"},
+        env={"STAGERUN_STAGE_REPLY_TIMEOUT_SECS": "2", **env},
     )
     restarted: subprocess.Popen[bytes] | None = None
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
@@ -302,7 +307,7 @@ def test_health_follows_a_killed_stage_and_errors_map_to_502_and_504(
         restarted = subprocess.Popen(
             [sys.executable, "-m", "stagerun", "stage", "--model", str(tiny), "--layers", "4:6",
              "--index", "2", "--port", str(port)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={**os.environ, **env},
         )  # fmt: skip
         assert restarted.stdout is not None
         assert restarted.stdout.readline().startswith(b"READY ")

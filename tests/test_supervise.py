@@ -1,7 +1,7 @@
 """The supervisor's restart schedule: the pure decision, then the Trio driver on a fake clock.
 
-`SupervisionPolicy.restart_delay` decides how long to wait before a restart; `StageProcess.run`
-carries it out. The driver runs here against a fake child (`FakeLauncher`, a stand-in for
+`SupervisionPolicy.restart_delay` decides how long to wait before a restart, and
+`SupervisionPolicy.gives_up` when to stop restarting; `StageProcess.run` carries them out. The driver runs here against a fake child (`FakeLauncher`, a stand-in for
 `trio.run_process`) under `autojump_clock`, so "10 s of backoff" takes no real time and every
 wait is measured exactly.
 """
@@ -18,7 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stagerun import StageError, SupervisionPolicy
-from stagerun._driver._supervise import StageProcess
+from stagerun._driver._config import DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES
+from stagerun._driver._supervise import StageProcess, given_up
+from stagerun._driver._values import StageInfo
 
 ADDRESS = "tcp://127.0.0.1:9001"  # what the fake child reports; nothing connects to it
 
@@ -168,9 +170,10 @@ async def test_the_supervisor_backs_off_doubling_and_resets_after_a_stable_run(
 ) -> None:
     script = [Life(1.0)] * 8 + [Life(40.0)] + [Life(1.0)] * 2
     launcher = FakeLauncher(script)
+    patient = attrs.evolve(NO_PROBES, max_failures=100)  # the schedule, not the cap, here
     with trio.fail_after(STUCK):
         async with trio.open_nursery() as nursery:
-            process: StageProcess = await nursery.start(_process(launcher, NO_PROBES).run)
+            process: StageProcess = await nursery.start(_process(launcher, patient).run)
             assert process.state == "running" and process.address == ADDRESS
             await launcher.script_done.wait()
             await trio.testing.wait_all_tasks_blocked()
@@ -232,3 +235,100 @@ async def test_without_restart_an_exited_stage_stays_stopped(
             process: StageProcess = await nursery.start(_process(launcher, policy).run)
     assert process.state == "stopped" and process.restarts == 0 and process.last_exit == 1
     assert len(launcher.starts) == 1
+
+
+# -- giving up -------------------------------------------------------------------------------
+
+
+def test_the_failure_cap_defaults() -> None:
+    policy = SupervisionPolicy()
+    assert (policy.max_failures, policy.failure_window) == (5, 60.0)
+    assert (DEFAULT_MAX_FAILURES, DEFAULT_FAILURE_WINDOW) == (5, 60.0)
+    with pytest.raises(ValueError, match="max_failures must be at least 1"):
+        SupervisionPolicy(max_failures=0)
+    with pytest.raises(ValueError, match="failure_window must be positive"):
+        SupervisionPolicy(failure_window=0)
+
+
+def test_it_gives_up_at_the_fifth_exit_within_a_minute() -> None:
+    policy = SupervisionPolicy()
+    assert not policy.gives_up([])
+    assert not policy.gives_up([1.0, 2.0, 3.0, 4.0])
+    assert policy.gives_up([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert policy.gives_up([0.0, 10.0, 20.0, 30.0, 59.9])
+    # the first exit is more than 60 s before the fifth: forgotten
+    assert not policy.gives_up([0.0, 10.0, 20.0, 30.0, 60.0])
+    assert not policy.gives_up([0.0, 30.0, 61.0, 91.0, 122.0, 152.0])  # steady, but sparse
+
+
+@given(
+    max_failures=st.integers(1, 8),
+    window=st.floats(1.0, 100.0),
+    gaps=st.lists(st.floats(0.0, 50.0), min_size=1, max_size=30),
+)
+def test_it_gives_up_exactly_when_max_failures_fall_within_the_window(
+    max_failures: int, window: float, gaps: list[float]
+) -> None:
+    policy = SupervisionPolicy(max_failures=max_failures, failure_window=window)
+    exits = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    recent = [t for t in exits if t > exits[-1] - window]
+    assert policy.gives_up(exits) == (len(recent) >= max_failures)
+    # only the latest max_failures exits matter (the supervisor keeps no more)
+    assert policy.gives_up(exits) == policy.gives_up(exits[-max_failures:])
+
+
+async def test_a_stage_that_keeps_exiting_is_given_up_and_says_why(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Its port taken by another process, a restarted stage exits before it is ready, every
+    time: the supervisor stops after 5 exits in 60 s instead of looping forever."""
+    launcher = FakeLauncher([Life(1.0)] + [Life(0.5, ready=False)] * 20)
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            process: StageProcess = await nursery.start(_process(launcher, NO_PROBES).run)
+            stage = StageInfo(1, (2, 4), ADDRESS, process=process)
+            assert given_up([stage]) is None
+        # run() returned on its own: nothing was cancelled
+    assert len(launcher.starts) == 5 and process.restarts == 4
+    assert launcher.exits[-1] - launcher.exits[0] < 60.0
+    assert process.state == "failed" and process.running_pid is None
+    reason = given_up([StageInfo(0, (0, 2), None), stage])
+    assert reason == process.given_up
+    assert reason is not None and reason.startswith(
+        "stage 1 failed: its process exited 5 times within 60s (last exit code 1, "
+        "stage 1 exited before it was ready"
+    )
+    assert reason.endswith("is not restarted again; fix the cause and restart stagerun")
+    status = process.to_json()
+    assert status["state"] == "failed" and status["given_up"] == reason
+
+
+async def test_exits_spread_wider_than_the_window_are_restarted_forever(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 20 s runs are not stable (30 s), so the backoff climbs to 10 s, but only 2 exits ever
+    # fall within a minute.
+    launcher = FakeLauncher([Life(20.0)] * 12)
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            process: StageProcess = await nursery.start(_process(launcher, NO_PROBES).run)
+            await launcher.script_done.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert process.state == "running" and process.given_up is None
+            nursery.cancel_scope.cancel()
+    assert process.restarts == 12 and process.state == "stopped"
+
+
+async def test_a_cancelled_supervisor_is_stopped_not_failed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    launcher = FakeLauncher([Life(1.0)] * 3)
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            process: StageProcess = await nursery.start(_process(launcher, NO_PROBES).run)
+            await launcher.script_done.wait()
+            nursery.cancel_scope.cancel()
+    assert (
+        process.state == "stopped"
+        and given_up([StageInfo(1, (2, 4), ADDRESS, process=process)]) is None
+    )

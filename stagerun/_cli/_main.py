@@ -57,6 +57,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
         return trio.run(_telemetered, _generate, args, 0)
     if args.command == "stage":
+        from .._driver._supervise import exit_with_parent
+
+        exit_with_parent()  # started by a supervisor: die with it, however it dies
         return trio.run(_telemetered, _stage, args, args.index)
     if args.command == "bench":
         from ._bench import run_bench
@@ -167,13 +170,14 @@ def _stage_from_topology(args: argparse.Namespace) -> None:
 
 async def _stage(args: argparse.Namespace) -> int:
     from .. import plugins
-    from .._stage._server import serve_stage
+    from .._stage._server import payload_limit, serve_stage
     from ..model import open_model
     from ..transports import format_address
 
     _stage_from_topology(args)
+    model = open_model(args.model)
     backend = plugins.build_backend(
-        args.backend, open_model(args.model), args.layers, threads=args.threads,
+        args.backend, model, args.layers, threads=args.threads,
         device=args.device,
     )  # fmt: skip
     listen = args.listen or format_address("tcp", args.host, args.port)
@@ -186,6 +190,12 @@ async def _stage(args: argparse.Namespace) -> int:
                 listen=listen,
                 wire_dtype=args.wire_dtype,
                 handshake_timeout=args.handshake_timeout,
+                max_sessions=args.max_sessions,
+                max_kv_tokens=args.max_kv_tokens,
+                max_connections=args.max_connections,
+                max_handshakes=args.max_handshakes,
+                idle_timeout=args.idle_timeout,
+                max_payload_bytes=payload_limit(model),
                 link=LinkEmulation(
                     delay_s=args.hop_delay_ms / 1000.0,
                     bandwidth_bytes_per_s=(

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._driver._config import SpeculationConfig
+from .._stage._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
+from .._stage._server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HANDSHAKES
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
 from ._bench_options import _request_selector as _request_selector  # re-exported (tests use it)
 from ._bench_options import add_bench_parsers
@@ -39,6 +41,45 @@ def _seconds(text: str) -> float:
     if not (0 < value < math.inf):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
     return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _stage_limit_options(stage: argparse.ArgumentParser) -> None:
+    """What upstream peers may make a stage hold (docs/reliability.md, Security)."""
+    stage.add_argument(
+        "--max-sessions", type=_positive_int, default=DEFAULT_MAX_SESSIONS, metavar="N",
+        help="requests open at once on this stage, over all lanes; a Configure past it gets "
+        f"an error (default {DEFAULT_MAX_SESSIONS})",
+    )  # fmt: skip
+    stage.add_argument(
+        "--max-kv-tokens", type=_positive_int, default=DEFAULT_MAX_KV_TOKENS, metavar="N",
+        help="KV positions all those requests may reach together "
+        f"(default {DEFAULT_MAX_KV_TOKENS})",
+    )  # fmt: skip
+    stage.add_argument(
+        "--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+        help="connections open at once (lowered to what the open-file limit allows); one more "
+        f"closes the quietest (default {DEFAULT_MAX_CONNECTIONS})",
+    )  # fmt: skip
+    stage.add_argument(
+        "--max-handshakes", type=_positive_int, default=DEFAULT_MAX_HANDSHAKES, metavar="N",
+        help="connections in their handshake at once; one more closes the oldest "
+        f"(default {DEFAULT_MAX_HANDSHAKES})",
+    )  # fmt: skip
+    stage.add_argument(
+        "--idle-timeout", type=_seconds, default=DEFAULT_IDLE_TIMEOUT, metavar="SECS",
+        help="close a connection that carried no byte for SECS "
+        f"(default {DEFAULT_IDLE_TIMEOUT:g})",
+    )  # fmt: skip
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
@@ -209,6 +250,46 @@ def _admission_options(serve: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _http_options(serve: argparse.ArgumentParser) -> None:
+    from ..server._state import DEFAULT_BODY_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, DEFAULT_WRITE_TIMEOUT
+
+    serve.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*; every "
+        "user of this machine can read it in the process list, so prefer --api-key-file or "
+        "$STAGERUN_API_KEY (an empty key is an error)"
+    )  # fmt: skip
+    serve.add_argument(
+        "--api-key-file", default=None, metavar="PATH",
+        help="require the API key in PATH (private to this user: chmod 600; default "
+        "$STAGERUN_API_KEY_FILE)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--allowed-hosts", default=None, metavar="HOSTS",
+        help="more Host headers to answer, comma-separated (api.example.com, name:port, or * "
+        "for any); always answered: the --host address, localhost, 127.0.0.1, [::1], and, "
+        "beyond loopback, this machine's host name (and, bound to 0.0.0.0 or ::, any IP address)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--request-timeout", type=_seconds, default=DEFAULT_REQUEST_TIMEOUT, metavar="SECS",
+        help="the most a generation request may take from its arrival, queue wait included; "
+        f"then 504 (default {DEFAULT_REQUEST_TIMEOUT:g})",
+    )  # fmt: skip
+    serve.add_argument(
+        "--write-timeout", type=_seconds, default=DEFAULT_WRITE_TIMEOUT, metavar="SECS",
+        help="a client that takes none of its answer for SECS loses its request and its "
+        f"connection (default {DEFAULT_WRITE_TIMEOUT:g})",
+    )  # fmt: skip
+    serve.add_argument(
+        "--body-timeout", type=_seconds, default=DEFAULT_BODY_TIMEOUT, metavar="SECS",
+        help=f"a request body must arrive within SECS, else 408 (default {DEFAULT_BODY_TIMEOUT:g})",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-connections", type=int, default=None, metavar="N",
+        help="HTTP connections open at once; beyond, the longest idle one is closed (default: "
+        "what the open-file limit leaves room for, at most 1024)",
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stagerun", description="Run one language model split by layers across stages."
@@ -272,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop a connection that has not finished its side of the lane handshake (hello; "
         f"with a secret, nonce and proof) within SECS (default {DEFAULT_HANDSHAKE_TIMEOUT:g})",
     )
+    _stage_limit_options(stage)
     _link_options(stage)
     _secret_option(stage)
     _telemetry_options(stage)
@@ -304,10 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     _telemetry_options(serve)
     serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     _plugin_options(serve)
-    serve.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* "
-        "(default: $STAGERUN_API_KEY; an empty key is an error)"
-    )  # fmt: skip
+    _http_options(serve)
     serve.add_argument(
         "--max-tokens-default", type=int, default=None, metavar="N",
         help="tokens a chat request that names no max_tokens gets (default 512; "

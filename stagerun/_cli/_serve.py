@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import trio
 
@@ -15,6 +16,12 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """`ServeOptions` from the parsed ``stagerun serve`` arguments."""
     max_batch = max_batch_from_args(args)
     assert max_batch is not None  # serve has --max-batch
+    if args.api_key:
+        logging.getLogger("stagerun.serve").warning(
+            "--api-key shows in process listings (ps) to every user of this machine; "
+            "use --api-key-file PATH or $STAGERUN_API_KEY instead"
+        )
+    hosts = tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     return ServeOptions(
         model=args.model,
         pipeline=config_from_args(args),
@@ -25,8 +32,14 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         kv_budget=args.kv_budget,
         max_queue=_or(args.max_queue, DEFAULT_MAX_QUEUE),
         api_key=args.api_key,
+        api_key_file=args.api_key_file,
         max_tokens_default=_or(args.max_tokens_default, DEFAULT_MAX_TOKENS),
         max_tokens_limit=_or(args.max_tokens_limit, MAX_TOKENS_LIMIT),
+        allowed_hosts=hosts,
+        request_timeout=args.request_timeout,
+        write_timeout=args.write_timeout,
+        body_timeout=args.body_timeout,
+        max_connections=args.max_connections,
     )
 
 

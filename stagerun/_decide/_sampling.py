@@ -7,7 +7,9 @@ speculative decoding pick the same token wherever they see the same logits.
 
 Temperature 0 is greedy (argmax, lowest id on ties). Otherwise: scale by 1/temperature, keep
 the top-k logits (k = 0 keeps all), then the smallest prefix of the sorted candidates whose
-probability mass reaches top-p, and draw one with the position's generator.
+probability mass reaches top-p, and draw one with the position's generator. A temperature so
+small that the scaled logits overflow (5e-324) is greedy too, which is the limit it tends to:
+dividing on would make every probability NaN.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ def sample_token(logits: np.ndarray[Any, Any], params: SamplingParams, position:
     """Pick one token from a ``[vocab]`` row of logits for absolute ``position``."""
     if params.temperature == 0.0:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
+    with np.errstate(over="ignore"):
+        scaled = logits.astype(np.float64) / params.temperature
+    if np.isinf(scaled.max()):
+        return int(np.argmax(logits))
     vocab = scaled.shape[0]
     if 0 < params.top_k < vocab:
         candidates = np.argpartition(-scaled, params.top_k - 1)[: params.top_k]

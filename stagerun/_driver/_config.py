@@ -30,6 +30,11 @@ from .._wire._framed import LinkEmulation
 Mode = Literal["inproc", "processes"]
 DEFAULT_PREFILL_CHUNK = "adaptive"
 DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowledged
+# A stage process that exits this often is given up (systemd's StartLimitBurst is 5 too): with
+# the 0.2 s backoff doubling, five quick failures take about 10 s of trying, long enough to
+# ride out a transient cause, short enough that clients are told soon.
+DEFAULT_MAX_FAILURES = 5
+DEFAULT_FAILURE_WINDOW = 60.0  # seconds; exits older than this are forgotten
 
 
 @attrs.frozen
@@ -115,6 +120,10 @@ class SupervisionPolicy:
         probe_timeout: a probe's handshake deadline.
         probe_failures: failed probes in a row before a live process is killed.
         ready_timeout: seconds a (re)started process has to print its ready line.
+        max_failures: exits within ``failure_window`` seconds after which the stage is
+            given up (state ``failed``): it is not started again, and requests that need it
+            fail at once instead of waiting for a recovery that cannot come.
+        failure_window: the window, in seconds, ``max_failures`` is counted over.
     """
 
     restart: bool = True
@@ -125,6 +134,27 @@ class SupervisionPolicy:
     probe_timeout: float = 5.0
     probe_failures: int = 3
     ready_timeout: float = 120.0
+    max_failures: int = DEFAULT_MAX_FAILURES
+    failure_window: float = DEFAULT_FAILURE_WINDOW
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be at least 1, got {self.max_failures}")
+        if not self.failure_window > 0:
+            raise ValueError(f"failure_window must be positive, got {self.failure_window}")
+
+    def gives_up(self, exits: Sequence[float]) -> bool:
+        """Whether a stage whose process exited at the times ``exits`` (oldest first, the
+        latest exit last) is given up rather than restarted.
+
+        True once ``max_failures`` of them fall within ``failure_window`` seconds up to the
+        latest: the doubling backoff alone would restart a stage that cannot start (its port
+        taken, its model file gone) forever, every ``max_backoff`` seconds.
+        """
+        if not exits:
+            return False
+        since = exits[-1] - self.failure_window
+        return sum(1 for t in exits if t > since) >= self.max_failures
 
     def restart_delay(self, previous: float | None, uptime: float) -> float:
         """Seconds to wait before restarting a process that exited after ``uptime`` seconds.

@@ -37,6 +37,8 @@ from .._decide._prefill import PrefillTransportEstimate
 from .._errors import LaneBrokenError, LaneError, LaneTimeoutError, StageError
 from .._wire._connect import (
     DEFAULT_CONNECT_TIMEOUT,
+    ENV_SECRET,
+    EnvSecret,
     alternatives,
     open_connection,
     stage_reply_timeout,
@@ -189,6 +191,7 @@ class LanePool:
         last_stage: address of the last stage (defaults to ``downstream``).
         capacity: lanes connected at start (the request concurrency it is sized for).
         connect_timeout: connect deadline for the lanes opened at start.
+        secret: the lane secret (default: this process's, `stagerun._wire._auth.lane_secret`).
     """
 
     def __init__(
@@ -202,6 +205,7 @@ class LanePool:
         steady_timeout: float = LANE_STEADY_CONNECT_TIMEOUT,
         reply_timeout: float | None = None,
         link: LinkEmulation = NO_EMULATION,
+        secret: bytes | EnvSecret | None = ENV_SECRET,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"lane pool capacity must be at least 1, got {capacity}")
@@ -213,6 +217,7 @@ class LanePool:
         self.steady_timeout = steady_timeout
         self.reply_timeout = stage_reply_timeout() if reply_timeout is None else reply_timeout
         self.link = link
+        self.secret = secret
         self.prefill_transport = PrefillTransportEstimate()
         self._idle: list[Lane] = []
         self._busy = 0
@@ -277,6 +282,7 @@ class LanePool:
             connect_timeout=connect_timeout,
             ready_timeout=ready_timeout,
             link=self.link,
+            secret=self.secret,
         )
         backs: list[FrameStream] = []
         failure: LaneError | None = None
@@ -291,6 +297,7 @@ class LanePool:
                             connect_timeout=connect_timeout,
                             ready_timeout=ready_timeout,
                             link=self.link,
+                            secret=self.secret,
                         )
                     )
                 except LaneError as exc:

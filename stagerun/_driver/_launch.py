@@ -5,28 +5,71 @@ Theory of operation: stage 0 lives in the calling process. The other stages are 
 loopback, last stage first so each one learns its downstream address — or are already running
 elsewhere (``remote`` addresses). Everything started here is a child of the pipeline's nursery,
 so leaving the ``async with`` block stops every stage and process.
+
+Stage processes started here always authenticate their lanes. Without a secret from the user
+(``--secret-file``, ``$STAGERUN_SECRET_FILE``), `_own_secret` makes one for the pipeline: in a
+private temporary file the children read through ``$STAGERUN_SECRET_FILE``, held in memory by
+stage 0 and the supervisors' probes. So a process that takes the port of a dead stage cannot
+answer as that stage (stage 0 refuses a peer that cannot prove it holds the secret).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import secrets
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any
 
+import attrs
 import trio
 
 from .. import plugins
+from .._stage._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
 from .._stage._server import serve_stage
 from .._util import single_exceptions
+from .._wire._auth import SECRET_FILE_ENV, lane_secret
+from .._wire._connect import ENV_SECRET, EnvSecret
 from .._wire._framed import LinkEmulation
 from ..model import ModelFile, open_model
 from ._config import PipelineConfig, PipelinePlan, SupervisionPolicy, plan
 from ._lanes import LanePool
 from ._pipeline import Pipeline
-from ._supervise import StageProcess, stage_command
+from ._supervise import REMOVE_WITH_PARENT_ENV, StageProcess, spawn_process, stage_command
 from ._values import StageInfo
+
+# Random bytes in a secret made for the stage processes started here (written as hex).
+OWN_SECRET_BYTES = 32
+
+
+@attrs.frozen
+class LaneAuth:
+    """The lane secret of the stages started here, and the environment their processes get."""
+
+    secret: bytes | EnvSecret = ENV_SECRET  # ENV_SECRET: the user's, read where it is used
+    env: Mapping[str, str] | None = None  # None: this process's environment
+
+
+@contextmanager
+def _own_secret(config: PipelineConfig) -> Iterator[LaneAuth]:
+    """The user's lane secret if there is one; else, when stage processes are started here,
+    a new one in a private temporary file (removed at the end, or by the stages if this
+    process is killed)."""
+    if config.mode != "processes" or config.remote is not None or lane_secret() is not None:
+        yield LaneAuth()
+        return
+    secret = secrets.token_hex(OWN_SECRET_BYTES).encode()
+    fd, path = tempfile.mkstemp(prefix="stagerun-", suffix=".secret")  # mode 0600
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(secret)
+        env = {**os.environ, SECRET_FILE_ENV: path, REMOVE_WITH_PARENT_ENV: path}
+        yield LaneAuth(secret, env)
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @asynccontextmanager
@@ -57,13 +100,13 @@ async def open_pipeline(
             first.backend, model_file, first.layers, threads=first.threads, device=first.device
         )
     )
-    with single_exceptions():
+    with single_exceptions(), _own_secret(config) as auth:
         async with trio.open_nursery() as nursery:
             infos = [StageInfo(0, first.layers, None)]
             if config.remote is not None:
                 infos += [StageInfo(st.index, st.layers, st.remote) for st in layout.stages[1:]]
             else:
-                infos += await _start_stages(nursery, model_file, config, layout, link)
+                infos += await _start_stages(nursery, model_file, config, layout, link, auth)
             addresses = [s.address for s in infos[1:] if s.address is not None]
             pool = None
             if addresses:
@@ -73,6 +116,7 @@ async def open_pipeline(
                     capacity=config.capacity,
                     link=link,
                     reply_timeout=config.reply_timeout,
+                    secret=auth.secret,
                 )
                 await pool.start()
             pipeline = Pipeline(
@@ -95,17 +139,34 @@ async def open_pipeline(
                 nursery.cancel_scope.cancel()
 
 
+def _stage_limits(model_file: ModelFile, config: PipelineConfig) -> dict[str, int]:
+    """Sessions and KV positions for the stages started here: room for the whole pool.
+
+    The stages' defaults suit 16 requests at once; a larger pool (`PipelineConfig.capacity`,
+    ``serve --max-batch``) needs a session per lane, with spares for lanes being replaced,
+    and room for every lane's request to reach the context.
+    """
+    return {
+        "max_sessions": max(DEFAULT_MAX_SESSIONS, 4 * config.capacity),
+        "max_kv_tokens": max(
+            DEFAULT_MAX_KV_TOKENS, config.capacity * model_file.config.context_length
+        ),
+    }
+
+
 async def _start_stages(
     nursery: trio.Nursery,
     model_file: ModelFile,
     config: PipelineConfig,
     layout: PipelinePlan,
     link: LinkEmulation,
+    auth: LaneAuth,
 ) -> list[StageInfo]:
     """Start stages 1.. here, last first so each learns its downstream address; their infos
     in stage order."""
     downstream: str | None = None
     started: list[StageInfo] = []
+    limits = _stage_limits(model_file, config)
     for stage in reversed(layout.stages[1:]):
         assert stage.listen is not None
         if config.mode == "inproc":
@@ -128,6 +189,8 @@ async def _start_stages(
                     listen=stage.listen,
                     wire_dtype=config.wire_dtype,
                     link=link,
+                    max_sessions=limits["max_sessions"],
+                    max_kv_tokens=limits["max_kv_tokens"],
                 )
             )
             started.append(StageInfo(stage.index, stage.layers, address, os.getpid()))
@@ -145,6 +208,8 @@ async def _start_stages(
                 stage.device,
                 link,
                 config.supervision or SupervisionPolicy(),
+                auth,
+                limits,
             )
             address = process.address
             started.append(
@@ -167,6 +232,8 @@ async def _spawn_stage(
     device: str | None,
     link: LinkEmulation,
     policy: SupervisionPolicy,
+    auth: LaneAuth,
+    limits: dict[str, int],
 ) -> StageProcess:
     argv = [
         "--model", str(model.path),
@@ -175,6 +242,8 @@ async def _spawn_stage(
         "--backend", backend,
         "--wire-dtype", wire_dtype,
     ]  # fmt: skip
+    argv += ["--max-sessions", str(limits["max_sessions"])]
+    argv += ["--max-kv-tokens", str(limits["max_kv_tokens"])]
     if downstream is not None:
         argv += ["--downstream", downstream]
     if device is not None:
@@ -185,6 +254,13 @@ async def _spawn_stage(
         argv += ["--hop-delay-ms", repr(link.delay_s * 1000.0)]
     if link.bandwidth_bytes_per_s:
         argv += ["--bandwidth-mbps", repr(link.bandwidth_bytes_per_s / 125_000.0)]
-    process = StageProcess(index, stage_command(argv), listen, policy)
+    process = StageProcess(
+        index,
+        stage_command(argv),
+        listen,
+        policy,
+        spawn=functools.partial(spawn_process, env=auth.env),
+        secret=auth.secret,
+    )
     started: StageProcess = await nursery.start(process.run)
     return started

@@ -36,7 +36,7 @@ from .._decide._prefill import (
 from .._errors import LaneError
 from .._stage._scheduler import TickInfo, TickScheduler
 from .._util import single_exceptions
-from .._wire._connect import alternatives, open_connection
+from .._wire._connect import ENV_SECRET, alternatives, open_connection
 from ..abc import ComputeBackend, Drafter, ForwardItem
 from ..model import ModelFile
 from ._config import DEFAULT_PREFILL_CREDIT, RecoveryPolicy, SpeculationConfig
@@ -111,6 +111,7 @@ class Pipeline:
         """Probe every stage at once: a handshake must complete within ``timeout`` seconds."""
         results: list[StageHealth] = [StageHealth(self.stages[0], "ready")]
         probes: dict[str, AddressHealth] = {}
+        secret = self.pool.secret if self.pool is not None else ENV_SECRET  # the lanes' own
 
         async def probe(address: str) -> None:
             start = time.perf_counter()
@@ -120,6 +121,7 @@ class Pipeline:
                     role=_proto.Role.LANE,
                     connect_timeout=timeout,
                     ready_timeout=timeout,
+                    secret=secret,
                 )
             except LaneError as exc:
                 probes[address] = AddressHealth(address, "unreachable", error=str(exc))

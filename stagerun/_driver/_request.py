@@ -38,6 +38,7 @@ from ._lanes import Lane, LanePool
 from ._local import LocalLane
 from ._prefill import PrefillReport, send_prefill
 from ._speculative import SpeculativeDecode
+from ._supervise import given_up
 from ._values import Completion, StageInfo, TokenChunk
 
 log = logging.getLogger("stagerun.pipeline")
@@ -319,6 +320,7 @@ class Request:
                 f"the pipeline failed {attempt.breaks} times during this request "
                 f"(the limit is {policy.max_breaks}); last failure: {failure}"
             ) from failure
+        self._fail_if_given_up(failure)
         log.warning(
             "request %d: lane failed after %d tokens (%s); recovering",
             self.request_id,
@@ -350,6 +352,7 @@ class Request:
                     await pool.ensure_idle_lane()
                 except LaneError as exc:
                     last = exc
+                    self._fail_if_given_up(failure)
                     delay = min(delay * 2, policy.max_backoff)
                     continue
                 return
@@ -358,6 +361,14 @@ class Request:
             f"no working lane through the pipeline within {policy.timeout:g}s of a failure "
             f"({failure}); last error: {last}"
         ) from failure
+
+    def _fail_if_given_up(self, failure: Exception) -> None:
+        """No recovery can come once the supervisor gave a stage up: fail now, not after
+        ``RecoveryPolicy.timeout``."""
+        reason = given_up(self.pipeline.stages)
+        if reason is not None:
+            self.pipeline.recovery_failures += 1
+            raise RecoveryFailedError(f"cannot recover the request: {reason}") from failure
 
     # -- the end ------------------------------------------------------------------------------
 

@@ -14,33 +14,61 @@ When the child exits, for whatever reason, the supervisor waits (``backoff``, do
 ``max_backoff``; a run longer than ``stable_after`` resets it) and starts it again. That wait
 is decided by the pure `SupervisionPolicy.restart_delay`; `StageProcess.run` only carries it
 out. Requests that were using the stage recover on their own (`stagerun.RecoveryPolicy`):
-they wait for the restarted process and replay their committed tokens.
+they wait for the restarted process and replay their committed tokens. A stage that exits
+``max_failures`` times within ``failure_window`` seconds (`SupervisionPolicy.gives_up`: its
+port taken by another process, a model file gone) is given up: state ``failed``, never
+started again, and `given_up` tells the requests that need it to fail at once.
 
-The child is started through ``StageProcess.spawn`` (`trio.run_process` by default), so tests
+A child must not outlive its supervisor, even one killed with SIGKILL, which runs no cleanup.
+Its stdin is the read end of a pipe whose only write end this process holds, and
+`exit_with_parent` (the ``stagerun stage`` command calls it first) exits the child when it
+reads EOF there, which the kernel delivers as soon as this process is gone, however it died.
+Linux's ``PR_SET_PDEATHSIG`` is not used: it fires when the *thread* that forked the child
+exits, and `trio.run_process` forks from a worker thread that Trio retires after 10 idle
+seconds, which would kill every stage 10 s after its start.
+
+The child is started through ``StageProcess.spawn`` (`spawn_process` by default), so tests
 drive the supervisor against a fake child on a fake clock.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import logging
+import os
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Literal, Protocol, cast
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol, cast, get_args
 
 import attrs
 import trio
 
 from .. import _proto
 from .._errors import LaneError, StageError
-from .._wire._connect import open_connection
+from .._wire._connect import ENV_SECRET, EnvSecret, open_connection
 from ._config import SupervisionPolicy
-from ._values import StageInfo
+from ._values import StageHealth, StageInfo
 
 log = logging.getLogger("stagerun.supervise")
 
-State = Literal["starting", "running", "restarting", "stopped"]
+State = Literal["starting", "running", "restarting", "stopped", "failed"]
+STATES: tuple[State, ...] = get_args(State)
+# States in which the supervised process is not the one serving the stage's address, whatever
+# answers there. ("stopped": supervision has ended, with restarts off; the address is the
+# operator's again, and the handshake, with the lane secret, says whether it serves.)
+NOT_SERVING: frozenset[State] = frozenset({"starting", "restarting", "failed"})
+
+#: Set (to "1") in a child's environment by `spawn_process`: exit when stdin reaches EOF.
+EXIT_WITH_PARENT_ENV = "STAGERUN_EXIT_WITH_PARENT"
+#: A file the parent would have removed at its end (the lane secret it made for its stages):
+#: a child that outlives the parent removes it as it exits.
+REMOVE_WITH_PARENT_ENV = "STAGERUN_REMOVE_WITH_PARENT"
+# The exit status of a stage whose parent is gone (nobody is left to read it: any failure code).
+ORPHANED_EXIT_CODE = 1
 
 
 async def read_ready_line(proc: trio.Process, index: int) -> str:
@@ -86,18 +114,75 @@ Spawn = Callable[..., Awaitable[object]]
 
 
 async def spawn_process(
-    command: list[str], *, task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
+    command: list[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a ``stagerun stage`` child, its stdout piped, until it exits."""
-    await trio.run_process(
-        command,
-        stdout=subprocess.PIPE,
-        check=False,
-        # Its own session: a terminal's Ctrl-C reaches only the driver, which then stops the
-        # stages in order.
-        start_new_session=True,
-        task_status=task_status,
-    )
+    """Run a ``stagerun stage`` child, its stdout piped, until it exits.
+
+    Its stdin is a pipe that this process never writes to and closes only once the child has
+    exited (or when this process dies): `exit_with_parent`, in the child, exits at its EOF.
+
+    Args:
+        env: the child's environment (default: this process's).
+    """
+    child_env = {**(os.environ if env is None else env), EXIT_WITH_PARENT_ENV: "1"}
+    # Both ends are close-on-exec: only this child gets the read end (as its stdin), and no
+    # other child inherits the write end (which would keep the pipe open after we die).
+    watch_read, watch_write = os.pipe()
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                proc: trio.Process = await nursery.start(
+                    functools.partial(
+                        trio.run_process,
+                        command,
+                        stdin=watch_read,
+                        stdout=subprocess.PIPE,
+                        check=False,
+                        env=child_env,
+                        # Its own session: a terminal's Ctrl-C reaches only the driver, which
+                        # then stops the stages in order.
+                        start_new_session=True,
+                    )
+                )
+            finally:
+                os.close(watch_read)
+            task_status.started(proc)
+    finally:
+        os.close(watch_write)
+
+
+def exit_with_parent(environ: Mapping[str, str] | None = None) -> None:
+    """In a child of `spawn_process`: exit at once when the supervising process is gone.
+
+    Does nothing unless ``$STAGERUN_EXIT_WITH_PARENT`` is ``1`` (a ``stagerun stage`` started
+    by hand keeps whatever stdin it was given). The wait runs on a daemon thread rather than a
+    Trio task because it must work while the event loop is busy or not yet running (a stage
+    loads its model before it serves). Nothing is left to stop gracefully once the parent is
+    gone (stage 0 was in it, and the other stages it started go too), so it ends the process
+    with `os._exit`.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(EXIT_WITH_PARENT_ENV) != "1":
+        return
+    watch = threading.Thread(target=_exit_at_eof, args=(0,), name="exit-with-parent", daemon=True)
+    watch.start()
+
+
+def _exit_at_eof(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass  # the parent never writes; anything read is ignored
+    except OSError as exc:
+        log.warning("cannot watch for the parent's exit on fd %d (%s)", fd, exc)
+        return
+    leftover = os.environ.get(REMOVE_WITH_PARENT_ENV)
+    if leftover:
+        with contextlib.suppress(OSError):  # a sibling stage may have removed it first
+            os.unlink(leftover)
+    os._exit(ORPHANED_EXIT_CODE)
 
 
 @attrs.define(eq=False)
@@ -115,7 +200,10 @@ class StageProcess:
     probe_kills: int = 0
     last_exit: int | None = None
     last_error: str | None = None
+    given_up: str | None = None  # why the supervisor gave up (state "failed")
     spawn: Spawn = attrs.field(default=spawn_process, kw_only=True, repr=False)
+    # the lane secret the liveness probe authenticates with (that of the stages started here)
+    secret: bytes | EnvSecret | None = attrs.field(default=ENV_SECRET, kw_only=True, repr=False)
 
     @property
     def running_pid(self) -> int | None:
@@ -132,16 +220,23 @@ class StageProcess:
             out["killed_unresponsive"] = self.probe_kills
         if self.last_error is not None:
             out["last_error"] = self.last_error
+        if self.given_up is not None:
+            out["given_up"] = self.given_up
         return out
 
     async def run(self, *, task_status: trio.TaskStatus[StageProcess]) -> None:
         """Start the child, report it ready, and keep it running until cancelled.
+
+        Returns once the stage is given up (`SupervisionPolicy.gives_up`), in state
+        ``failed``.
 
         Raises:
             StageError: the first start failed (a restart that fails is retried instead).
         """
         delay: float | None = None
         first = True
+        # the latest exits, oldest first: all that `SupervisionPolicy.gives_up` looks at
+        exits: collections.deque[float] = collections.deque(maxlen=self.policy.max_failures)
         try:
             while True:
                 error, uptime = await self._run_once(task_status if first else None)
@@ -149,8 +244,12 @@ class StageProcess:
                     raise StageError(error or f"stage {self.index} did not start")
                 first = False
                 self.last_error = error
+                exits.append(trio.current_time())
                 if not self.policy.restart:
                     self.state = "stopped"
+                    return
+                if self.policy.gives_up(exits):
+                    self._give_up(error)
                     return
                 delay = self.policy.restart_delay(delay, uptime)
                 self.state = "restarting"
@@ -165,7 +264,19 @@ class StageProcess:
                 await trio.sleep(delay)
                 self.restarts += 1
         finally:
-            self.state = "stopped"
+            if self.state != "failed":
+                self.state = "stopped"
+
+    def _give_up(self, error: str | None) -> None:
+        policy = self.policy
+        self.state = "failed"
+        self.given_up = (
+            f"stage {self.index} failed: its process exited {policy.max_failures} times within "
+            f"{policy.failure_window:g}s (last exit code {self.last_exit}"
+            f"{f', {error}' if error else ''}) and is not restarted again; fix the cause and "
+            "restart stagerun"
+        )
+        log.error("%s", self.given_up)
 
     async def _run_once(
         self, task_status: trio.TaskStatus[StageProcess] | None
@@ -215,6 +326,7 @@ class StageProcess:
                     role=_proto.Role.LANE,
                     connect_timeout=self.policy.probe_timeout,
                     ready_timeout=self.policy.probe_timeout,
+                    secret=self.secret,
                 )
             except LaneError as exc:
                 failures += 1
@@ -249,6 +361,25 @@ def running_pids(stages: Iterable[StageInfo]) -> dict[int, int]:
     """
     processes = ((s.index, s.process) for s in stages if isinstance(s.process, StageProcess))
     return {i: p.running_pid for i, p in processes if p.running_pid is not None}
+
+
+def given_up(stages: Iterable[StageInfo]) -> str | None:
+    """Why a supervised stage of ``stages`` was given up (the first such one), or None."""
+    for stage in stages:
+        if isinstance(stage.process, StageProcess) and stage.process.given_up is not None:
+            return stage.process.given_up
+    return None
+
+
+def is_serving(health: StageHealth) -> bool:
+    """Whether a probed stage serves: an address of it answered the handshake and, for a
+    stage process supervised here, that process is running (not starting, restarting or
+    given up): whatever answers on the address of a process that is not running, it is not
+    the stage."""
+    process = health.stage.process
+    if isinstance(process, StageProcess) and process.state in NOT_SERVING:
+        return False
+    return health.available
 
 
 def stage_command(argv: Sequence[str]) -> list[str]:

@@ -190,7 +190,9 @@ class Tokenizer:
             add_bos: prepend the BOS id; None follows the model (``tokenizer.ggml.add_bos_token``).
         """
         backend = self._backend if special else self._plain_backend
-        ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not), so a worker thread that tokenizes a
+        # long prompt leaves the event loop free; the ids are the same.
+        ids: list[int] = backend.encode_batch([text], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids

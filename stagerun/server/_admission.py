@@ -1,11 +1,18 @@
 """Admission by memory: at most ``max_batch`` requests generate at once, within a KV budget.
 
-Theory of operation (decide, then do): `Admission.try_admit` decides synchronously, once the
-prompt is tokenized, whether the request runs now, waits in line, or is refused (the handler
-answers 429 with ``Retry-After``). A request reserves the KV cache it can grow to, (prompt
-tokens + its ``max_tokens``) x `kv_bytes_per_token`, for as long as it runs; it runs when
-fewer than ``max_batch`` run and the reservation fits what is left of ``kv_budget``. Only a
-waiting request then awaits, in `Ticket.wait`.
+Theory of operation: before a request can be priced it must be tokenized, and tokenizing (and
+rendering a chat template) is CPU work that must not run on the event loop: `Admission.tokenize`
+runs it in one of a few worker threads (``tokenizer_threads``), and a bounded number of
+requests (``max_tokenizing``) may be in that line at once; beyond that it refuses too. Text
+reaches it only once `prompt_char_limit` has bounded it by the model's context, so each job is
+short.
+
+Then (decide, then do): `Admission.try_admit` decides synchronously whether the request runs
+now, waits in line, or is refused (the handler answers 429 with ``Retry-After``). A request
+reserves the KV cache it can grow to, (prompt tokens + its ``max_tokens``) x
+`kv_bytes_per_token`, for as long as it runs; it runs when fewer than ``max_batch`` run and the
+reservation fits what is left of ``kv_budget``. Only a waiting request then awaits, in
+`Ticket.wait`.
 
 The line is FIFO with head-of-line blocking: a finished request gives back its slot and its
 bytes, and the line's head is granted first; while the head does not fit, nobody behind it
@@ -20,16 +27,45 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
 if TYPE_CHECKING:
     from ..model._gguf import ModelConfig
+    from ..model._tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 F32_BYTES = 4
 MODEST_REQUEST_TOKENS = 1024  # a prompt plus the chat default of 512 new tokens, with room
+# Threads that tokenize prompts and render chat templates: two keep a second request moving
+# while one long prompt is tokenized, and leave the other cores to the stages.
+TOKENIZER_THREADS = 2
+# Requests tokenizing or waiting for a tokenizer thread before 429: each holds its body (at
+# most 4 MiB) meanwhile, and at ~0.5 s for the longest prompt a context allows, the last one
+# waits ~8 s.
+MAX_TOKENIZING = 32
+
+
+@functools.lru_cache(maxsize=16)
+def _longest_token_chars(tokenizer: Tokenizer) -> int:
+    return max((len(tokenizer.token_text(i)) for i in range(tokenizer.vocab_size)), default=1)
+
+
+def prompt_char_limit(tokenizer: Tokenizer, context_length: int) -> int:
+    """The most characters a prompt that fits ``context_length`` tokens can have.
+
+    Every token of a byte-level BPE vocabulary stands for at most as many characters as its
+    vocabulary entry is long (an entry spells one byte per character, and a character is one
+    byte or more; a control token is its own text). The tokens of a prompt together spell the
+    whole prompt, so a text longer than ``(context_length - 1)`` times the longest entry has at
+    least ``context_length`` tokens and could never fit. The bound never refuses a prompt that
+    would: it is what lets a handler refuse a 4 MB prompt without tokenizing it.
+    """
+    return max(context_length - 1, 0) * _longest_token_chars(tokenizer)
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:
@@ -109,6 +145,8 @@ class Admission:
         kv_budget: bytes of KV cache the running requests may reserve together (None: no
             limit but ``max_batch``).
         on_start: called with the number running, each time a request starts to run.
+        tokenizer_threads: worker threads that tokenize prompts (`tokenize`).
+        max_tokenizing: requests that may be tokenizing or waiting for a tokenizer thread.
     """
 
     def __init__(
@@ -118,6 +156,8 @@ class Admission:
         kv_budget: int | None = None,
         *,
         on_start: Callable[[int], None] | None = None,
+        tokenizer_threads: int = TOKENIZER_THREADS,
+        max_tokenizing: int = MAX_TOKENIZING,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -125,6 +165,11 @@ class Admission:
             raise ValueError(f"max_queue must be 0 or more, got {max_queue}")
         if kv_budget is not None and kv_budget < 1:
             raise ValueError(f"kv_budget must be at least 1 byte, got {kv_budget}")
+        if not 1 <= tokenizer_threads <= max_tokenizing:
+            raise ValueError(
+                f"tokenizer_threads ({tokenizer_threads}) must be at least 1 and at most "
+                f"max_tokenizing ({max_tokenizing})"
+            )
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.kv_budget = kv_budget
@@ -133,6 +178,9 @@ class Admission:
         self.rejected = 0
         self._on_start = on_start
         self._line: collections.deque[Ticket] = collections.deque()
+        self.max_tokenizing = max_tokenizing
+        self.tokenizing = 0  # requests in `tokenize`: in a thread or waiting for one
+        self._tokenizers = trio.CapacityLimiter(tokenizer_threads)
 
     def __repr__(self) -> str:
         budget = "unlimited" if self.kv_budget is None else self.kv_budget
@@ -141,6 +189,21 @@ class Admission:
             f"queued={self.queued}/{self.max_queue} rejected={self.rejected} "
             f"kv={self.reserved}/{budget}>"
         )
+
+    async def tokenize(self, work: Callable[[], T]) -> T | None:
+        """Run ``work`` (tokenize a prompt) in a tokenizer thread; None when the line is full.
+
+        A refusal counts in ``rejected``, like one of `try_admit`. Cancelling the caller waits
+        for a ``work`` already running (it cannot be interrupted) but not for a thread.
+        """
+        if self.tokenizing >= self.max_tokenizing:
+            self.rejected += 1
+            return None
+        self.tokenizing += 1
+        try:
+            return await trio.to_thread.run_sync(work, limiter=self._tokenizers)
+        finally:
+            self.tokenizing -= 1
 
     @property
     def queued(self) -> int:

@@ -1,14 +1,25 @@
 """Running one admitted completion request as an ASGI response, streaming or not.
 
 Theory of operation: `GenerationResponse` is a Starlette response whose ``__call__`` opens a
-nursery with two tasks. One waits for the request's admission ticket, runs
-``pipeline.generate`` and sends the answer through ``send``; the other watches ``receive()``
-and, on ``http.disconnect``, cancels the nursery with a reason. Cancelling leaves the
-generate block early, which cancels the request in the pipeline: its lane is closed and
-replaced, never reused half-way. The ticket (a slot and the KV bytes it reserved) is released
-as soon as generation ends, before the last HTTP write, so a slow client does not hold back
-the next request; the outer ``finally`` releases it on every other path (release is
-idempotent).
+nursery with three tasks. One waits for the request's admission ticket, runs
+``pipeline.generate`` and hands each message of the answer to a writer task, which alone
+calls ``send``; the third watches ``receive()`` and, on ``http.disconnect``, cancels the
+nursery with a reason. Cancelling leaves the generate block early, which cancels the request
+in the pipeline: its lane is closed and replaced, never reused half-way. The ticket (a slot
+and the KV bytes it reserved) is released as soon as generation ends, before the last HTTP
+write, so a slow client does not hold back the next request; the outer ``finally`` releases
+it on every other path (release is idempotent).
+
+Two deadlines bound a request. The request deadline (``request_timeout`` from its arrival,
+queue wait included) ends generation with a 504, or with an error event once streaming has
+begun. The write deadline bounds how long generation waits for the client to take the
+previous message: a client that stops reading makes ``send`` block once the socket's buffers
+are full, and the generation task gives up after ``write_timeout`` (cancelling the request
+and releasing its ticket) rather than wait with it. Generation never calls ``send`` itself
+because a deadline around ``send`` is not enough: hypercorn writes to the socket inside a
+shielded cancel scope, so a blocked ``send`` cannot be cancelled at all. The writer task stays
+blocked until the connection is closed under it; `stagerun serve` sets ``TCP_USER_TIMEOUT``
+on its sockets so that the kernel does that after the same ``write_timeout``.
 
 The status line is sent with the first piece of output (or the error), not before: a
 request that fails before it produced anything (a dead stage, a reply timeout) still gets its
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -87,8 +99,18 @@ def json_message(status: int, payload: Any, headers: list[tuple[bytes, bytes]]) 
     ]
 
 
+class ClientTooSlowError(Exception):
+    """The client took none of its answer for the write timeout: the request is given up."""
+
+
+async def _write_all(messages: trio.MemoryReceiveChannel[Message], send: Send) -> None:
+    async with messages:
+        async for message in messages:
+            await send(message)
+
+
 class GenerationResponse(Response):
-    """Runs an admitted request to the end, or until the client goes away."""
+    """Runs an admitted request to the end, or until the client goes away or falls behind."""
 
     def __init__(
         self,
@@ -111,18 +133,51 @@ class GenerationResponse(Response):
         self.ticket = ticket
         self._started = False
         self._finished = False
+        self._outbox: trio.MemorySendChannel[Message] | None = None
+        self._deadline = 0.0  # trio.current_time() when the request runs out of time
+
+    def __repr__(self) -> str:
+        return (
+            f"<GenerationResponse {self.shape.id} {self.ticket!r} "
+            f"started={self._started} finished={self._finished}>"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # `RequestContext` starts the request's clock when the request arrives.
+        deadline = scope.get("stagerun.deadline")
+        if not isinstance(deadline, float):
+            deadline = trio.current_time() + self.state.request_timeout
+        self._deadline = deadline
+        outbox, inbox = trio.open_memory_channel[Message](0)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, nursery.cancel_scope)
-                if self.shape.request.stream:
-                    await self._stream(send)
-                else:
-                    await self._whole(send)
+                async with trio.open_nursery() as writing:
+                    writing.start_soon(_write_all, inbox, send)
+                    async with outbox:
+                        self._outbox = outbox
+                        try:
+                            await (self._stream() if self.shape.request.stream else self._whole())
+                        except ClientTooSlowError as exc:
+                            # Nothing more reaches this client. The unfinished response closes
+                            # the connection once the writer's blocked send returns.
+                            log.warning("request %s given up: %s", self.label or self.shape.id, exc)
+                            writing.cancel_scope.cancel(reason=f"{self.shape.id}: {exc}")
                 nursery.cancel_scope.cancel(reason="response complete")
         finally:
             self.ticket.release()
+
+    async def _deliver(self, message: Message) -> None:
+        """Hand ``message`` to the writer, waiting at most the write timeout for it."""
+        assert self._outbox is not None
+        timeout = self.state.write_timeout
+        try:
+            with trio.fail_after(timeout):
+                await self._outbox.send(message)
+        except trio.TooSlowError:
+            raise ClientTooSlowError(
+                f"its client took none of the answer for {timeout:g} s (the write timeout)"
+            ) from None
 
     async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
         while True:
@@ -133,9 +188,8 @@ class GenerationResponse(Response):
             self.state.metrics.disconnects += 1
             scope.cancel(reason=f"client of {self.shape.id} disconnected")
 
-    async def _run(self, on_text: Any) -> Completion:
+    async def _run(self, on_text: Callable[[str], Awaitable[None]] | None) -> Completion:
         await self.ticket.wait()
-        stream_text = on_text is not None
         try:
             async with self.state.pipeline.generate(
                 self.prompt_ids,
@@ -145,7 +199,7 @@ class GenerationResponse(Response):
                 label=self.label,
             ) as stream:
                 async for chunk in stream:
-                    if stream_text and chunk.text:
+                    if on_text is not None and chunk.text:
                         await on_text(chunk.text)
         finally:
             self.ticket.release()  # the lane is back in the pool: let the next one run
@@ -155,52 +209,72 @@ class GenerationResponse(Response):
         self.state.metrics.observe_timings(result.timings)
         return result
 
-    async def _send_error(self, send: Send, error: ApiError) -> None:
+    async def _generate(
+        self, on_text: Callable[[str], Awaitable[None]] | None
+    ) -> Completion | ApiError:
+        """The completion, or the error to answer with; within the request's deadline."""
+        with trio.move_on_at(self._deadline):
+            try:
+                return await self._run(on_text)
+            except ClientTooSlowError:
+                raise
+            except Exception as exc:
+                return api_error_from(exc)
+        timeout = self.state.request_timeout
+        log.warning("request %s ran past the request timeout (%g s)", self.label, timeout)
+        return ApiError(
+            504,
+            f"the request did not finish within the server's request timeout ({timeout:g} s); "
+            "ask for fewer max_tokens, or retry when the server is less busy",
+            type="api_error",
+            code="request_timeout",
+        )
+
+    async def _send_error(self, error: ApiError) -> None:
         self._finished = True
         headers = [*JSON_HEADERS, *((k.encode(), v.encode()) for k, v in error.headers.items())]
         for message in json_message(error.status, error.envelope(), headers):
-            await send(message)
+            await self._deliver(message)
 
-    async def _whole(self, send: Send) -> None:
-        try:
-            result = await self._run(None)
-        except Exception as exc:
-            await self._send_error(send, api_error_from(exc))
+    async def _whole(self) -> None:
+        result = await self._generate(None)
+        if isinstance(result, ApiError):
+            await self._send_error(result)
             return
         self._finished = True
         for message in json_message(200, self.shape.final(result), JSON_HEADERS):
-            await send(message)
+            await self._deliver(message)
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self) -> None:
         first = self.shape.first_chunk()
 
         async def event(payload: dict[str, Any], *, more: bool = True) -> None:
             nonlocal first
             if not self._started:
                 self._started = True
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                await self._deliver(
+                    {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
+                )
             if first is not None:
                 opening, first = first, None
                 await event(opening)
-            await send(
+            await self._deliver(
                 {"type": "http.response.body", "body": sse_event(payload), "more_body": more}
             )
 
         async def on_text(text: str) -> None:
             await event(self.shape.text_chunk(text))
 
-        try:
-            result = await self._run(on_text)
-        except Exception as exc:
-            error = api_error_from(exc)
+        result = await self._generate(on_text)
+        if isinstance(result, ApiError):
             if not self._started:
-                await self._send_error(send, error)
+                await self._send_error(result)
             else:
                 self._finished = True
-                await event(error.envelope(), more=False)
+                await event(result.envelope(), more=False)
             return
         await event(self.shape.finish_chunk(result.finish_reason))
         if self.shape.request.include_usage:
             await event(self.shape.usage_chunk(result))
         self._finished = True
-        await send({"type": "http.response.body", "body": DONE_EVENT, "more_body": False})
+        await self._deliver({"type": "http.response.body", "body": DONE_EVENT, "more_body": False})

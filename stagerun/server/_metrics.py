@@ -22,7 +22,7 @@ import attrs
 
 from .._driver._lanes import LanePool
 from .._driver._pipeline import Pipeline
-from .._driver._supervise import running_pids
+from .._driver._supervise import STATES, StageProcess, is_serving, running_pids
 from .._driver._values import StageHealth
 from .._stage._scheduler import TickScheduler
 from .._util import cpu_seconds
@@ -292,12 +292,22 @@ class Metrics:
                 "Requests that failed because no lane came back.",
                 [({}, pipeline.recovery_failures)],
             )  # fmt: skip
-            processes = [s for s in pipeline.stages if s.process is not None]
+            processes = [s for s in pipeline.stages if isinstance(s.process, StageProcess)]
             if processes:
                 family(
                     "stagerun_stage_restarts_total", "counter",
                     "Restarts of supervised stage processes.",
                     (({"stage": str(s.index)}, s.process.restarts) for s in processes),
+                )  # fmt: skip
+                family(
+                    "stagerun_stage_process_state", "gauge",
+                    "1 for the state each supervised stage process is in (failed: given up "
+                    "after too many exits, not restarted again), 0 for the others.",
+                    (
+                        ({"stage": str(s.index), "state": state}, int(s.process.state == state))
+                        for s in processes
+                        for state in STATES
+                    ),
                 )  # fmt: skip
             _tick_families(family, out, pipeline.scheduler)
         if busy is not None:
@@ -329,11 +339,12 @@ class Metrics:
         family(
             "stagerun_stage_up",
             "gauge",
-            "1 if the stage (its primary, or a standby) answered a handshake, else 0.",
+            "1 if the stage (its primary, or a standby) answered a handshake and, for a "
+            "supervised stage process, that process is running, else 0.",
             (
                 (
                     {"stage": str(h.stage.index), "address": h.primary},
-                    1 if h.available else 0,
+                    1 if is_serving(h) else 0,
                 )
                 for h in health
             ),

@@ -7,22 +7,38 @@ Theory of operation: nothing here does I/O. A handler reads the body, calls
 ``param`` names the offending field the way OpenAI does (``messages[1].content``).
 
 Unknown fields are ignored (clients send ``user``, ``metadata`` and friends), but fields that
-ask for something stagerun cannot do (``n`` > 1, ``logprobs``, ``tools``, penalties) are refused
-rather than silently dropped.
+ask for something stagerun cannot do (``n`` > 1, ``logprobs``, ``tools``, ``logit_bias``,
+penalties) are refused by name rather than silently dropped; their neutral values (``n: 1``,
+``logit_bias: {}``, a penalty of 0) pass, since clients send them by default.
+
+Every value that passes is one the code behind can take: integers that fit the wire, a
+temperature the sampler can divide by, text a tokenizer can encode, stop strings short enough
+to match in linear time. A body Python's ``json`` cannot decode at all (an integer of more than
+4,300 digits, arrays nested beyond the recursion limit, ``NaN``) is a 400 like any bad JSON.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import attrs
 
 Kind = Literal["completion", "chat"]
 ChatRole = Literal["system", "user", "assistant"]
 
-MAX_STOP_STRINGS = 4
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+# Characters in one stop string: OpenAI documents none; 1,024 holds any delimiter in use, and
+# text that might begin a stop string is held back from the stream, so this bounds the delay.
+MAX_STOP_CHARS = 1024
+# The smallest temperature above 0: logits / temperature must stay finite in float64 (5e-324
+# makes them inf and the probabilities NaN); below it, sampling is greedy but for near-ties.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 2.0  # OpenAI's limit
+# top_k beyond any vocabulary (token ids are below 2**31 on the wire) keeps every token, as 0
+# does; larger integers would not fit the wire's int64.
+MAX_TOP_K = 2**31 - 1
 _SEED_MODULUS = 2**64
 _ROLES: dict[str, ChatRole] = {
     "system": "system",
@@ -118,7 +134,7 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     if not body.strip():
         raise invalid("the request body is empty: send a JSON object")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_refuse_constant)
     except UnicodeDecodeError:
         raise invalid("the request body is not UTF-8 text: send a JSON object") from None
     except json.JSONDecodeError as exc:
@@ -126,51 +142,73 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
             f"the request body is not valid JSON ({exc.msg} at line {exc.lineno} "
             f"column {exc.colno}): send a JSON object"
         ) from None
+    except ValueError:  # an integer beyond Python's int-string conversion limit
+        raise invalid(
+            "the request body holds an integer of more than 4,300 digits: send smaller numbers"
+        ) from None
+    except RecursionError:
+        raise invalid(
+            "the request body nests arrays or objects too deeply: send a flatter JSON object"
+        ) from None
     if not isinstance(data, dict):
         raise invalid(f"the request body must be a JSON object, not {_json_type(data)}")
     return data
 
 
-def parse_generation_request(data: Mapping[str, Any], kind: Kind) -> GenerationRequest:
-    """Check a decoded body of ``/v1/completions`` (kind ``completion``) or ``/v1/chat/completions``."""
+def parse_generation_request(
+    data: Mapping[str, Any], kind: Kind, *, context_length: int | None = None
+) -> GenerationRequest:
+    """Check a decoded body of ``/v1/completions`` (kind ``completion``) or ``/v1/chat/completions``.
+
+    Args:
+        context_length: the model's context, when known: a prompt of that many token ids, or
+            more chat messages than that (every chat template writes at least one token per
+            message), could never fit, and is refused before its items are checked.
+    """
     model = _required(data, "model")
     if not isinstance(model, str) or not model:
         raise invalid(f"'model' must be a non-empty string, not {_json_type(model)}", "model")
     prompt: str | tuple[int, ...] = ""
     messages: tuple[ChatMessage, ...] = ()
     if kind == "chat":
-        messages = _messages(_required(data, "messages"))
+        messages = _messages(_required(data, "messages"), context_length)
         max_tokens = _optional_int(data, "max_completion_tokens", minimum=1)
         if max_tokens is None:
             max_tokens = _optional_int(data, "max_tokens", minimum=1)
     else:
-        prompt = _prompt(_required(data, "prompt"))
+        prompt = _prompt(_required(data, "prompt"), context_length)
         max_tokens = _optional_int(data, "max_tokens", minimum=1)
-        _refuse_unless(data, "echo", (None, False), "echo is not supported; leave it out")
-        _refuse_unless(data, "suffix", (None, ""), "suffix is not supported; leave it out")
-        _refuse_unless(data, "best_of", (None, 1), "only best_of=1 is supported")
+        _refuse_unsupported(data, _UNSUPPORTED_IN_COMPLETIONS)
     n = _optional_int(data, "n", minimum=1)
     if n not in (None, 1):
         raise invalid(f"only n=1 is supported, got n={n}: send one request per choice", "n")
-    # chat sends a boolean, completions an integer (0 asks for none)
-    _refuse_unless(data, "logprobs", (None, False, 0), "logprobs are not supported; leave it out")
-    _refuse_unless(data, "top_logprobs", (None, 0), "logprobs are not supported; leave it out")
-    _refuse_unless(data, "tools", (None, []), "tools are not supported; leave 'tools' out")
+    _refuse_unsupported(data, _UNSUPPORTED)
     for penalty in ("presence_penalty", "frequency_penalty"):
         value = _optional_number(data, penalty)
         if value not in (None, 0.0):
-            raise invalid(f"{penalty} is not supported: leave it out or send 0", penalty)
+            raise invalid(f"'{penalty}' is not supported: leave it out or send 0", penalty)
     fmt = data.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise invalid("only response_format {'type': 'text'} is supported", "response_format")
 
     temperature = _optional_number(data, "temperature")
-    if temperature is not None and not 0.0 <= temperature <= 2.0:
-        raise invalid(f"'temperature' must be between 0 and 2, got {temperature}", "temperature")
+    if temperature is not None and not (
+        temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE
+    ):
+        raise invalid(
+            f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}: 0 (greedy) or at least "
+            f"{MIN_TEMPERATURE:g}, got {temperature}",
+            "temperature",
+        )
     top_p = _optional_number(data, "top_p")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise invalid(f"'top_p' must be greater than 0 and at most 1, got {top_p}", "top_p")
     top_k = _optional_int(data, "top_k", minimum=0)
+    if top_k is not None and top_k > MAX_TOP_K:
+        raise invalid(
+            f"'top_k' must be at most {MAX_TOP_K}, got {top_k}: send 0 to keep every token",
+            "top_k",
+        )
     seed = _optional_int(data, "seed")
     stream = _optional_bool(data, "stream")
     include_usage = False
@@ -258,11 +296,66 @@ def _optional_bool(data: Mapping[str, Any], name: str, prefix: str = "") -> bool
     return value
 
 
-def _refuse_unless(data: Mapping[str, Any], name: str, allowed: tuple[Any, ...], why: str) -> None:
-    value = data.get(name)
-    if any(value == ok and type(value) is type(ok) for ok in allowed):
-        return
-    raise invalid(f"'{name}': {why}", name)
+def _refuse_constant(name: str) -> NoReturn:
+    raise invalid(f"the request body holds {name}, which is not JSON: send a number")
+
+
+# Parameters stagerun does not implement, each with the values that ask for nothing (clients
+# send those by default), and what to do instead. Any other value is refused by name.
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # chat sends a boolean, completions an integer (0 asks for none)
+    "logprobs": ((None, False, 0), "logprobs are not supported; leave it out"),
+    "top_logprobs": ((None, 0), "logprobs are not supported; leave it out"),
+    "logit_bias": ((None, {}), "logit_bias is not supported; leave it out"),
+    "tools": ((None, []), "tools are not supported; leave 'tools' out"),
+    "tool_choice": ((None, "none", "auto"), "tools are not supported; leave 'tool_choice' out"),
+    "functions": ((None, []), "functions are not supported; leave 'functions' out"),
+    "function_call": ((None, "none", "auto"), "functions are not supported; leave it out"),
+    "audio": ((None,), "audio output is not supported; leave 'audio' out"),
+    "modalities": (
+        (None, ["text"]),
+        "only text output is supported: send ['text'] or leave it out",
+    ),
+    "prediction": ((None,), "predicted outputs are not supported; leave 'prediction' out"),
+}
+_UNSUPPORTED_IN_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((None, False), "echo is not supported; leave it out"),
+    "suffix": ((None, ""), "suffix is not supported; leave it out"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+}
+
+
+def _refuse_unsupported(
+    data: Mapping[str, Any], table: Mapping[str, tuple[tuple[Any, ...], str]]
+) -> None:
+    for name, (neutral, why) in table.items():
+        value = data.get(name)
+        if not any(value == ok and type(value) is type(ok) for ok in neutral):
+            raise invalid(f"'{name}': {why}", name)
+
+
+def _text(value: str, param: str) -> str:
+    """``value``, unless it holds a lone surrogate (JSON allows ``"\\ud800"``, UTF-8 does not)."""
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise invalid(
+                f"'{param}' holds a lone UTF-16 surrogate (\\ud800-\\udfff): send valid "
+                "Unicode text",
+                param,
+            ) from None
+    return value
+
+
+def too_long(length: int, unit: str, context: int, param: str, why: str = "") -> ApiError:
+    """The 400 of a prompt that cannot fit the model's context."""
+    return invalid(
+        f"the prompt is {length} {unit} long but the model's context is {context} tokens"
+        f"{why}; shorten the prompt",
+        param,
+        code="context_length_exceeded",
+    )
 
 
 def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
@@ -272,14 +365,14 @@ def _token_ids(value: list[Any], param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _prompt(value: Any) -> str | tuple[int, ...]:
+def _prompt(value: Any, context: int | None) -> str | tuple[int, ...]:
     if isinstance(value, str):
         if not value:
             raise invalid("'prompt' is empty: give some text", "prompt")
-        return value
+        return _text(value, "prompt")
     if isinstance(value, list):
         if len(value) == 1 and isinstance(value[0], str | list):
-            return _prompt(value[0])
+            return _prompt(value[0], context)
         if value and all(isinstance(x, str) for x in value):
             raise invalid(
                 f"'prompt' holds {len(value)} prompts but only one per request is supported",
@@ -287,6 +380,8 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
             )
         if not value:
             raise invalid("'prompt' is empty: give some text", "prompt")
+        if context is not None and len(value) >= context:
+            raise too_long(len(value), "tokens", context, "prompt")
         return _token_ids(value, "prompt")
     raise invalid(
         f"'prompt' must be a string or an array of token ids, not {_json_type(value)}", "prompt"
@@ -295,7 +390,7 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
 
 def _content(value: Any, param: str) -> str:
     if isinstance(value, str):
-        return value
+        return _text(value, param)
     if isinstance(value, list):
         parts = []
         for i, part in enumerate(value):
@@ -306,15 +401,22 @@ def _content(value: Any, param: str) -> str:
             if not isinstance(text, str):
                 raise invalid(f"'{where}.text' must be a string", f"{where}.text")
             parts.append(text)
-        return "".join(parts)
+        return _text("".join(parts), param)
     raise invalid(f"'{param}' must be a string, not {_json_type(value)}", param)
 
 
-def _messages(value: Any) -> tuple[ChatMessage, ...]:
+def _messages(value: Any, context: int | None) -> tuple[ChatMessage, ...]:
     if not isinstance(value, list):
         raise invalid(f"'messages' must be an array, not {_json_type(value)}", "messages")
     if not value:
         raise invalid("'messages' is empty: send at least one message", "messages")
+    if context is not None and len(value) > context:
+        raise invalid(
+            f"'messages' holds {len(value)} messages but the model's context is {context} "
+            "tokens, and every message takes at least one; send fewer messages",
+            "messages",
+            code="context_length_exceeded",
+        )
     out = []
     for i, raw in enumerate(value):
         where = f"messages[{i}]"
@@ -347,4 +449,10 @@ def _stop(value: Any) -> tuple[str, ...]:
     for i, item in enumerate(items):
         if not isinstance(item, str) or not item:
             raise invalid(f"'stop[{i}]' must be a non-empty string", f"stop[{i}]")
+        if len(item) > MAX_STOP_CHARS:
+            raise invalid(
+                f"'stop[{i}]' is {len(item)} characters long; a stop string may have at most "
+                f"{MAX_STOP_CHARS}",
+                f"stop[{i}]",
+            )
     return tuple(items)

@@ -7,6 +7,14 @@ topology), then hypercorn is started with ``nursery.start`` so that the single
 asks hypercorn to shut down gracefully (in-flight requests get ``graceful_timeout``); leaving
 the pipeline's block then stops every stage process, so nothing outlives the command. A signal
 during start-up, or a second one, cancels everything at once.
+
+Slow and hostile clients: hypercorn answers each connection, behind an accept loop of ours
+(`_http.serve_http`) that bounds the open connections and puts a write deadline on the socket.
+The soft limit on open files is raised to the hard one first, and the connection bound leaves
+room under it for the lanes and the process's own files. hypercorn's ``keep_alive_timeout``
+bounds a connection that never sends a whole request head; the app bounds the body
+(``body_timeout``), the answer's writes (``write_timeout``) and the whole request
+(``request_timeout``).
 """
 
 from __future__ import annotations
@@ -15,28 +23,52 @@ import functools
 import logging
 import os
 import signal
+import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from .._driver._config import PipelineConfig
 from .._driver._launch import open_pipeline
 from .._driver._topology import load_topology
 from .._errors import StagerunError
-from .._util import single_exceptions
-from .._wire._auth import is_loopback
+from .._util import raise_open_file_limit, single_exceptions
+from .._wire._auth import is_loopback, read_private_file
 from ._app import create_app
-from ._state import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
+from ._http import ConnectionLimit, serve_http
+from ._state import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_WRITE_TIMEOUT,
+    MAX_TOKENS_LIMIT,
+    AllowedHosts,
+)
 
 API_KEY_ENV = "STAGERUN_API_KEY"
+API_KEY_FILE_ENV = "STAGERUN_API_KEY_FILE"
 log = logging.getLogger("stagerun.serve")
 GRACEFUL_TIMEOUT = 2.0
+# An API key is a few dozen bytes; a bigger --api-key-file (or /dev/zero) is a mistake.
+MAX_API_KEY_FILE_BYTES = 4096
+# hypercorn's keep_alive_timeout: how long a connection may sit without a request in flight,
+# which also bounds the time a client has to send its first request head. Longer than the 5 s
+# httpx (and so the openai client) keeps an idle connection, so they never reuse one the server
+# is closing; short, so a client that never finishes its head gives its connection up soon.
+KEEP_ALIVE_TIMEOUT = 15.0
+# HTTP connections open at once when the open-file limit allows more (--max-connections).
+DEFAULT_MAX_CONNECTIONS = 1024
+# Open files the serve process keeps for itself besides HTTP connections and lanes: stage
+# pipes, the event loop, logs, the model file: measured 51 with three local stages, 13 with one.
+FD_RESERVE = 64
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 class ServeError(StagerunError):
@@ -63,8 +95,14 @@ class ServeOptions:
     kv_budget: int | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     api_key: str | None = None
+    api_key_file: str | None = None
     max_tokens_default: int = DEFAULT_MAX_TOKENS
     max_tokens_limit: int = MAX_TOKENS_LIMIT
+    allowed_hosts: tuple[str, ...] = ()  # beyond the bound address and the loopback names
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    max_connections: int | None = None  # None: from the open-file limit (`max_connections`)
 
 
 def served_model_id(model: str) -> str:
@@ -100,6 +138,8 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
     """
     out = stdout if stdout is not None else sys.stdout
     model, wanted, api_key = _checked(options)
+    hosts = allowed_hosts(options.host, options.allowed_hosts)
+    connections = ConnectionLimit(max_connections(options.max_connections, wanted.capacity))
     with single_exceptions(), trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             state = _Signals(nursery.cancel_scope)
@@ -115,9 +155,13 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
                     api_key=api_key,
                     max_tokens_default=options.max_tokens_default,
                     max_tokens_limit=options.max_tokens_limit,
+                    allowed_hosts=hosts,
+                    request_timeout=options.request_timeout,
+                    write_timeout=options.write_timeout,
+                    body_timeout=options.body_timeout,
                 )
                 async with trio.open_nursery() as http:
-                    where = await _listen(http, app, options, state.stopping)
+                    where = await _listen(http, app, options, connections, state.stopping)
                     state.serving = True
                     n = len(pipeline.stages)
                     print(
@@ -139,6 +183,15 @@ def _checked(options: ServeOptions) -> tuple[str, PipelineConfig, str | None]:
         raise ValueError(f"--kv-budget must be at least 1 byte, got {options.kv_budget}")
     if options.max_queue < 0:
         raise ValueError(f"--max-queue must be 0 or more, got {options.max_queue}")
+    for flag, seconds in (
+        ("--request-timeout", options.request_timeout),
+        ("--write-timeout", options.write_timeout),
+        ("--body-timeout", options.body_timeout),
+    ):
+        if not seconds > 0:
+            raise ValueError(f"{flag} must be more than 0 seconds, got {seconds:g}")
+    if options.max_connections is not None and options.max_connections < 1:
+        raise ValueError(f"--max-connections must be at least 1, got {options.max_connections}")
     if wanted.capacity < options.max_batch:
         wanted = wanted.replace(capacity=options.max_batch)  # a lane for every running request
     model = options.model
@@ -147,7 +200,7 @@ def _checked(options: ServeOptions) -> tuple[str, PipelineConfig, str | None]:
     model = model or "smollm2"
     if wanted.layers is None and wanted.stages < 1:
         raise ValueError(f"--stages must be at least 1, got {wanted.stages}")
-    api_key = resolve_api_key(options.api_key, options.host)
+    api_key = resolve_api_key(options.api_key, options.host, key_file=options.api_key_file)
     if not 1 <= options.max_tokens_default <= options.max_tokens_limit:
         raise ValueError(
             f"--max-tokens-default ({options.max_tokens_default}) must be between 1 and "
@@ -182,19 +235,34 @@ class _Signals:
                 self.scope.cancel(reason=f"signal {signum}")
 
 
-async def _listen(http: trio.Nursery, app: Any, options: ServeOptions, stopping: trio.Event) -> str:
+async def _listen(
+    http: trio.Nursery,
+    app: Any,
+    options: ServeOptions,
+    connections: ConnectionLimit,
+    stopping: trio.Event,
+) -> str:
     """Start hypercorn on the options' address in ``http``; return where it listens."""
     config = HypercornConfig()
     config.bind = [_bind(options.host, options.port)]
     config.graceful_timeout = GRACEFUL_TIMEOUT
     config.errorlog = logging.getLogger("stagerun.http")
     config.accesslog = None
-    config.keep_alive_timeout = 75
+    config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT
+    # config.read_timeout stays None: hypercorn applies it to every read of the connection,
+    # also while an answer streams (the client sends nothing then), so it would cut off any
+    # generation longer than itself; the app's body_timeout bounds the reads that matter.
+    start = functools.partial(
+        serve_http,
+        app,
+        config,
+        connections,
+        write_timeout=options.write_timeout,
+        shutdown_trigger=stopping.wait,
+    )
     try:
         with single_exceptions():
-            binds: list[str] = await http.start(
-                functools.partial(hypercorn_serve, app, config, shutdown_trigger=stopping.wait)
-            )
+            binds: list[str] = await http.start(start)
     except OSError as exc:
         raise ServeError(
             f"cannot listen on {options.host}:{options.port}: "
@@ -203,32 +271,104 @@ async def _listen(http: trio.Nursery, app: Any, options: ServeOptions, stopping:
     return binds[0] if binds else f"http://{_bind(options.host, options.port)}"
 
 
-def resolve_api_key(given: str | None, host: str) -> str | None:
-    """The API key to require: ``--api-key``, else ``$STAGERUN_API_KEY``; None for none.
+def max_connections(given: int | None, lanes: int) -> int:
+    """``--max-connections``, or as many as the open-file limit leaves room for (at most
+    `DEFAULT_MAX_CONNECTIONS`), once that limit is raised as far as it goes.
 
-    A key that is given but empty (``--api-key "$UNSET_VARIABLE"``) is an error, never a
-    quiet "no authentication"; serving beyond loopback without a key is allowed, with a
-    warning.
+    Without a bound a flood of connections uses up the open files, and then nothing that
+    needs one works: not ``/health``, not a lane to a stage that restarted.
+    """
+    soft = raise_open_file_limit()
+    room = None if soft is None else soft - FD_RESERVE - 2 * lanes  # a lane, and its successor
+    if given is not None:
+        if room is not None and given > room:
+            log.warning(
+                "--max-connections %d is more than the open-file limit (%d) leaves room for "
+                "(about %d); raise it (ulimit -n) or lower --max-connections",
+                given,
+                soft,
+                room,
+            )
+        return given
+    if room is None:
+        return DEFAULT_MAX_CONNECTIONS
+    if room < 16:
+        log.warning(
+            "the open-file limit (%d) leaves room for only %d HTTP connections; raise it "
+            "(ulimit -n)",
+            soft,
+            max(room, 1),
+        )
+    return max(1, min(DEFAULT_MAX_CONNECTIONS, room))
+
+
+def allowed_hosts(host: str, more: Sequence[str] = ()) -> AllowedHosts:
+    """The ``Host`` headers a server bound to ``host`` answers: that host, the loopback
+    names, this machine's host name when it listens beyond loopback, and ``more``.
+
+    Bound to every address (``0.0.0.0``, ``::``) any IP address is answered too, as clients
+    reach such a server by any address of the machine; other DNS names need ``more``. A DNS
+    rebinding page always names the attacker's DNS name, so it is refused either way. Any port
+    is answered: a browser sends the page's own host name, so a rebinding page cannot send an
+    allowed name on another port, and an ``ssh -L`` tunnel's clients send its local port.
 
     Raises:
-        ServeError: the key was given empty.
+        ValueError: an entry of ``more`` is not a host (see `AllowedHosts.parse`).
     """
+    bound = host.strip("[]").lower()
+    wildcard = bound in ("", "0.0.0.0", "::")
+    names = [*LOOPBACK_HOSTS, *more]
+    if not wildcard:
+        names.append(bound)
+    if not is_loopback(bound):
+        names.append(socket.gethostname())  # (not getfqdn: a DNS lookup, slow when DNS is)
+    return AllowedHosts.parse(names, any_ip=wildcard)
+
+
+def resolve_api_key(given: str | None, host: str, *, key_file: str | None = None) -> str | None:
+    """The API key to require: ``--api-key``, ``--api-key-file``, ``$STAGERUN_API_KEY_FILE``
+    or ``$STAGERUN_API_KEY``, the first that is set; None for none.
+
+    A key that is given but empty (``--api-key "$UNSET_VARIABLE"``, an empty file) is an
+    error, never a quiet "no authentication"; serving beyond loopback without a key is
+    allowed, with a warning.
+
+    Raises:
+        ServeError: the key was given empty, twice, or its file cannot be used.
+    """
+    if given is not None and key_file is not None:
+        raise ServeError("give --api-key or --api-key-file, not both")
     source, key = "--api-key", given
     if key is None:
-        source, key = f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)
+        path = key_file or os.environ.get(API_KEY_FILE_ENV) or None
+        if path is not None:
+            source, key = f"the API key file {path}", _read_api_key_file(path)
+        else:
+            source, key = f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)
     if key is not None and not key.strip():
         raise ServeError(
-            f"{source} is empty: give a key (for example from a file, "
-            f'--api-key "$(cat key.txt)"), or leave it out to serve without one'
+            f"{source} is empty: give a key (for example in a file, --api-key-file key.txt), "
+            "or leave it out to serve without one"
         )
     if key is None and not is_loopback(host.strip("[]")):
         log.warning(
             "serving on %s with no API key: anyone who can reach this address can use the "
-            "model; set --api-key or $%s",
+            "model; set --api-key-file or $%s",
             host,
             API_KEY_ENV,
         )
-    return key
+    return None if key is None else key.strip()
+
+
+def _read_api_key_file(path: str) -> str:
+    """The key in ``path``, less surrounding white space; the file must be private."""
+    try:
+        _st, data = read_private_file(path, "the API key file", MAX_API_KEY_FILE_BYTES)
+        return data.decode()
+    except UnicodeDecodeError:
+        raise ServeError(f"the API key file {path} is not UTF-8 text") from None
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
 
 
 async def serve_with_telemetry(options: ServeOptions) -> int:
