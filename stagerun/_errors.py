@@ -39,6 +39,10 @@ class RecoveryFailedError(LaneError):
     """A request lost its lane and could not get a working one back within its budget."""
 
 
+class StageGivenUpError(RecoveryFailedError):
+    """A request lost its lane and none can come back: the supervisor gave a stage up."""
+
+
 class LaneHandshakeError(LaneError):
     """A lane could not be opened: connect failed, or the peer never said READY."""
 

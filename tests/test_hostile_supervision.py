@@ -16,6 +16,7 @@ import functools
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,12 +33,13 @@ from _processes import running
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from stagerun import RecoveryFailedError, StageServer, SupervisionPolicy, open_pipeline
+from stagerun import StageServer, SupervisionPolicy, open_pipeline
 from stagerun import _proto as proto
 from stagerun._driver._supervise import StageProcess
+from stagerun._errors import StageGivenUpError
 from stagerun._wire._auth import SECRET_FILE_ENV
 from stagerun.backends import NumpyBackend
-from stagerun.model import open_model
+from stagerun.model import ModelFile, open_model
 from stagerun.server import create_app
 from stagerun.testing import write_tiny_model
 
@@ -275,9 +277,11 @@ async def test_a_squatter_on_a_dead_stage_port_gets_no_work_and_the_stage_is_giv
         reply = await client.post("/v1/chat/completions", json=CHAT)
         waited = time.monotonic() - started
         assert reply.status_code == 502
-        assert "stage 1 failed" in reply.json()["error"]["message"]
+        error = reply.json()["error"]
+        assert "stage 1 failed" in error["message"] and "retry later" not in error["message"]
+        assert error["code"] == "stage_failed"
         assert waited < 5, f"{waited:.1f}s (the recovery timeout is 60 s)"
-        with pytest.raises(RecoveryFailedError, match="stage 1 failed"):
+        with pytest.raises(StageGivenUpError, match="stage 1 failed"):
             await pipeline.complete("hi", max_tokens=4)
         nursery.cancel_scope.cancel()
     assert [len(data) for data in liar.received] == [HANDSHAKE] * len(liar.received)
@@ -316,3 +320,20 @@ async def test_health_follows_the_supervised_process_not_whoever_answers(
         metrics = _samples((await client.get("/metrics")).text)
         assert metrics[f'stagerun_stage_up{{stage="1",address="{address}"}}'] == 0
         nursery.cancel_scope.cancel()
+
+
+def test_a_stage_whose_port_is_taken_says_so_in_one_line(tiny_model: ModelFile) -> None:
+    """What the supervisor logs for a restart that finds its port taken: one line naming the
+    address, exit status 1, no traceback."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "stagerun", "stage", "--model", str(tiny_model.path),
+             "--layers", f"0:{tiny_model.config.n_layers}", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"stagerun: error: cannot listen on tcp://127.0.0.1:{port}:" in done.stderr

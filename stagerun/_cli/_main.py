@@ -168,6 +168,19 @@ def _stage_from_topology(args: argparse.Namespace) -> None:
     args.backend = args.backend or "numpy"
 
 
+async def _listening(
+    nursery: trio.Nursery, listen: str, serve: Callable[..., Awaitable[None]]
+) -> str:
+    """Start ``serve`` in ``nursery``; an address that cannot be bound is one line of error
+    (the supervisor that restarts this stage shows it), not a traceback."""
+    try:
+        with single_exceptions():  # the listener's nursery wraps what it raises
+            address: str = await nursery.start(serve)
+    except OSError as exc:
+        raise StagerunError(f"cannot listen on {listen}: {exc.strerror or exc}") from None
+    return address
+
+
 async def _stage(args: argparse.Namespace) -> int:
     from .. import plugins
     from .._stage._server import payload_limit, serve_stage
@@ -182,7 +195,9 @@ async def _stage(args: argparse.Namespace) -> int:
     )  # fmt: skip
     listen = args.listen or format_address("tcp", args.host, args.port)
     async with trio.open_nursery() as nursery:
-        address = await nursery.start(
+        address = await _listening(
+            nursery,
+            listen,
             lambda task_status: serve_stage(
                 backend,
                 index=args.index,
@@ -203,7 +218,7 @@ async def _stage(args: argparse.Namespace) -> int:
                     ),
                 ),
                 task_status=task_status,
-            )
+            ),
         )
         print(f"READY {address}", flush=True)
         lo, hi = args.layers

@@ -28,7 +28,7 @@ import trio
 from .. import _proto, telemetry
 from .._decide._prefill import ChunkPolicy
 from .._decide._sampling import sample_token
-from .._errors import LaneError, RecoveryFailedError, StageError
+from .._errors import LaneError, RecoveryFailedError, StageError, StageGivenUpError
 from .._stage._scheduler import TickScheduler
 from .._text import TextAssembler
 from ..abc import Drafter
@@ -368,7 +368,7 @@ class Request:
         reason = given_up(self.pipeline.stages)
         if reason is not None:
             self.pipeline.recovery_failures += 1
-            raise RecoveryFailedError(f"cannot recover the request: {reason}") from failure
+            raise StageGivenUpError(f"cannot recover the request: {reason}") from failure
 
     # -- the end ------------------------------------------------------------------------------
 

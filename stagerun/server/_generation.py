@@ -40,7 +40,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from .._driver._values import Completion
-from .._errors import LaneError, LaneTimeoutError, StageError, StagerunError
+from .._errors import LaneError, LaneTimeoutError, StageError, StageGivenUpError, StagerunError
 from .._proto import SamplingParams
 from ._admission import Ticket
 from ._openai import ApiError
@@ -64,6 +64,10 @@ def api_error_from(exc: Exception) -> ApiError:
     match exc:
         case ApiError():
             return exc
+        case StageGivenUpError():  # retrying will not help until someone fixes the stage
+            return ApiError(
+                502, f"the pipeline cannot serve: {exc}", type="api_error", code="stage_failed"
+            )
         case LaneTimeoutError():
             return ApiError(
                 504,
