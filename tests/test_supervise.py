@@ -332,3 +332,18 @@ async def test_a_cancelled_supervisor_is_stopped_not_failed(
         process.state == "stopped"
         and given_up([StageInfo(1, (2, 4), ADDRESS, process=process)]) is None
     )
+
+
+def test_the_failure_cap_comes_from_the_command_line() -> None:
+    from stagerun._cli._options import build_parser, recovery_from_args
+
+    parser = build_parser()
+    _recovery, default = recovery_from_args(parser.parse_args(["serve"]))
+    assert (default.max_failures, default.failure_window) == (5, 60.0)
+    args = parser.parse_args(
+        ["generate", "hi", "--max-stage-failures", "2", "--stage-failure-window", "7.5"]
+    )
+    _recovery, policy = recovery_from_args(args)
+    assert (policy.max_failures, policy.failure_window) == (2, 7.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--max-stage-failures", "0"])

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._driver._config import SpeculationConfig
+from .._driver._config import DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES, SpeculationConfig
 from .._stage._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
 from .._stage._server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HANDSHAKES
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
@@ -171,10 +171,20 @@ def _reliability_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not restart local stage processes that die (default: restart with backoff)",
     )
+    p.add_argument(
+        "--max-stage-failures", type=_positive_int, default=DEFAULT_MAX_FAILURES, metavar="N",
+        help="give a local stage up (report it failed, stop restarting it) once its process "
+        f"exits N times within --stage-failure-window (default {DEFAULT_MAX_FAILURES})",
+    )  # fmt: skip
+    p.add_argument(
+        "--stage-failure-window", type=_seconds, default=DEFAULT_FAILURE_WINDOW,
+        metavar="SECS", help=f"see --max-stage-failures (default {DEFAULT_FAILURE_WINDOW:g})",
+    )  # fmt: skip
 
 
 def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(RecoveryPolicy, SupervisionPolicy) for ``--recovery-timeout`` and ``--no-restart``."""
+    """(RecoveryPolicy, SupervisionPolicy) for ``--recovery-timeout``, ``--no-restart`` and
+    the stage failure cap."""
     from .._driver._config import RecoveryPolicy, SupervisionPolicy
 
     timeout = getattr(args, "recovery_timeout", None)
@@ -186,7 +196,12 @@ def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         recovery = RecoveryPolicy.disabled()
     else:
         recovery = RecoveryPolicy(timeout=timeout)
-    return recovery, SupervisionPolicy(restart=not getattr(args, "no_restart", False))
+    supervision = SupervisionPolicy(
+        restart=not getattr(args, "no_restart", False),
+        max_failures=getattr(args, "max_stage_failures", DEFAULT_MAX_FAILURES),
+        failure_window=getattr(args, "stage_failure_window", DEFAULT_FAILURE_WINDOW),
+    )
+    return recovery, supervision
 
 
 def _speculation_options(p: argparse.ArgumentParser) -> None:
