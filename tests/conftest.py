@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import trio
+import trustme
 
 from stagerun import serve_stage
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile, open_model, resolve_model
 from stagerun.testing import write_tiny_model
+from stagerun.transports._tls import CA_ENV, CERT_ENV, KEY_ENV
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +73,16 @@ def killable_stage(tiny_model: ModelFile) -> KillableStage:
         return address, scope
 
     return start
+
+
+@pytest.fixture
+def certificates(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[trustme.CA]:
+    """A private CA and a certificate for 127.0.0.1, configured through the environment."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "stage.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    monkeypatch.setenv(CERT_ENV, str(tmp_path / "stage.pem"))
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.setenv(CA_ENV, str(tmp_path / "ca.pem"))
+    yield ca

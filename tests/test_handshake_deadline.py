@@ -14,12 +14,12 @@ import functools
 import logging
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 import trio
 import trio.testing
+from _processes import start_stage
 
 from stagerun import LaneHandshakeError
 from stagerun import _proto as proto
@@ -200,24 +200,8 @@ async def test_stagerun_stage_drops_a_silent_peer_after_handshake_timeout(
     ]  # fmt: skip
     with trio.fail_after(4 * LIMIT):  # a Python start on a loaded machine, then the test
         async with trio.open_nursery() as nursery:
-            proc: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    command,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    check=False,
-                )
-            )
-            assert proc.stdout is not None and proc.stderr is not None
             stderr = bytearray()
-            nursery.start_soon(_collect, proc.stderr, stderr)
-            line = b""
-            while not line.endswith(b"\n"):
-                data = await proc.stdout.receive_some(1)
-                assert data, "the stage exited before it was ready"
-                line += data
-            address = line.decode().removeprefix("READY ").strip()
+            proc, address = await start_stage(nursery, command, stderr=stderr)
             silent = await trio.open_tcp_stream(*_host_port(address))
             await _wait_closed(silent)
             await silent.aclose()
@@ -228,11 +212,6 @@ async def test_stagerun_stage_drops_a_silent_peer_after_handshake_timeout(
             await lane.aclose_forcefully()
             proc.terminate()
     assert f"did not send its hello within {SHORT:g}s" in stderr.decode()
-
-
-async def _collect(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
-    while data := await stream.receive_some(65536):
-        into += data
 
 
 async def _tarpit(stream: trio.SocketStream) -> None:

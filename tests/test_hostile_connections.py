@@ -11,7 +11,6 @@ open-file limit; then how a lane's failure is logged and the exposure warnings a
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import pathlib
 import resource
@@ -22,6 +21,7 @@ from collections.abc import Callable
 
 import pytest
 import trio
+from _processes import start_stage
 from _stage_client import honest_request
 
 from stagerun import LaneError, open_pipeline
@@ -93,11 +93,6 @@ async def _until(condition: Callable[[], bool]) -> None:
 # -- the attack: a real stage at 256 open files --------------------------------------------------
 
 
-async def _collect(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
-    while data := await stream.receive_some(65536):
-        into += data
-
-
 async def test_an_honest_lane_is_served_while_strangers_hold_more_sockets_than_it_has_files(
     tiny_model_path: pathlib.Path, last_stage_backend: NumpyBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -114,23 +109,7 @@ async def test_an_honest_lane_is_served_while_strangers_hold_more_sockets_than_i
     try:
         with trio.fail_after(4 * LIMIT):
             async with trio.open_nursery() as nursery:
-                proc: trio.Process = await nursery.start(
-                    functools.partial(
-                        trio.run_process,
-                        command,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        check=False,
-                    )
-                )
-                assert proc.stdout is not None and proc.stderr is not None
-                nursery.start_soon(_collect, proc.stderr, stderr)
-                line = b""
-                while not line.endswith(b"\n"):
-                    data = await proc.stdout.receive_some(1)
-                    assert data, f"the stage exited before it was ready: {stderr.decode()}"
-                    line += data
-                address = line.decode().removeprefix("READY ").strip()
+                proc, address = await start_stage(nursery, command, stderr=stderr)
 
                 for key in range(PARKED):  # completed handshakes, then nothing
                     with contextlib.suppress(LaneError):  # before the fix: files run out

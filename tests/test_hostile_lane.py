@@ -11,16 +11,15 @@ The stage runs in a child process so its peak memory (``VmHWM``) can be read fro
 
 from __future__ import annotations
 
-import functools
 import os
 import pathlib
 import struct
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import trio
+from _processes import start_stage
 from _stage_client import honest_request
 
 from stagerun import _proto as proto
@@ -51,16 +50,6 @@ def _peak_mib(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmHWM in /proc/{pid}/status")
-
-
-async def _read_ready(proc: trio.Process) -> str:
-    assert proc.stdout is not None
-    line = b""
-    while not line.endswith(b"\n"):
-        data = await proc.stdout.receive_some(1)
-        assert data, "the stage exited before it was ready"
-        line += data
-    return line.decode().removeprefix("READY ").strip()
 
 
 async def _drain(stream: trio.abc.ReceiveStream) -> None:
@@ -101,18 +90,8 @@ async def test_a_lane_that_never_reads_its_acks_is_closed_and_the_stage_stays_sm
     )
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            proc: trio.Process = await nursery.start(
-                functools.partial(
-                    trio.run_process,
-                    command,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    env=env,
-                    check=False,
-                )
-            )
+            proc, address = await start_stage(nursery, command, env=env, stderr=bytearray())
             try:
-                address = await _read_ready(proc)
                 await honest_request(address, last_stage_backend)  # warm: every path imported
                 before = _peak_mib(proc.pid)
 

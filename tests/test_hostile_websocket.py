@@ -16,16 +16,14 @@ import functools
 import logging
 import pathlib
 import struct
-import subprocess
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import trio
 import trio_websocket
-import trustme
 import wsproto
+from _processes import start_stage
 from _stage_client import honest_request
 from wsproto import events as ws_events
 
@@ -35,7 +33,6 @@ from stagerun._wire._auth import SECRET_FILE_ENV
 from stagerun._wire._framed import client_handshake, server_handshake, socket_is_idle
 from stagerun.backends import NumpyBackend
 from stagerun.transports import SecureWebSocketTransport, WebSocketTransport
-from stagerun.transports._tls import CA_ENV, CERT_ENV, KEY_ENV
 from stagerun.transports._websocket import (
     CONNECT_TIMEOUT,
     MAX_MESSAGE_BYTES,
@@ -146,17 +143,8 @@ async def test_huge_messages_without_a_hello_neither_swell_nor_block_a_stage(
     ]  # fmt: skip
     with trio.fail_after(4 * LIMIT):  # a Python start on a loaded machine, then the test
         async with trio.open_nursery() as nursery:
-            proc: trio.Process = await nursery.start(
-                functools.partial(trio.run_process, command, stdout=subprocess.PIPE, check=False)
-            )
+            proc, address = await start_stage(nursery, command)
             try:
-                assert proc.stdout is not None
-                line = b""
-                while not line.endswith(b"\n"):
-                    data = await proc.stdout.receive_some(1)
-                    assert data, "the stage exited before it was ready"
-                    line += data
-                address = line.decode().removeprefix("READY ").strip()
                 assert address.startswith("ws://")
                 await honest_request(address, last_stage_backend)  # warm: lanes, compute
                 if not _reset_peak(proc.pid):
@@ -188,19 +176,6 @@ async def test_huge_messages_without_a_hello_neither_swell_nor_block_a_stage(
 
 
 # -- frames larger than one message -----------------------------------------------------------
-
-
-@pytest.fixture
-def certificates(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A private CA and a certificate for 127.0.0.1, configured through the environment."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "stage.pem"))
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    monkeypatch.setenv(CERT_ENV, str(tmp_path / "stage.pem"))
-    monkeypatch.delenv(KEY_ENV, raising=False)
-    monkeypatch.setenv(CA_ENV, str(tmp_path / "ca.pem"))
-    yield
 
 
 @pytest.mark.parametrize("scheme", ["ws", "wss"])

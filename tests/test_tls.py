@@ -9,7 +9,7 @@ import pathlib
 import re
 import ssl
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 import trio
@@ -33,19 +33,6 @@ from stagerun.transports._tls import (
 )
 
 PROMPT = "The lighthouse keeper climbed the stairs"
-
-
-@pytest.fixture
-def certificates(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[trustme.CA]:
-    """A private CA and a certificate for 127.0.0.1, configured through the environment."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "stage.pem"))
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    monkeypatch.setenv(CERT_ENV, str(tmp_path / "stage.pem"))
-    monkeypatch.delenv(KEY_ENV, raising=False)
-    monkeypatch.setenv(CA_ENV, str(tmp_path / "ca.pem"))
-    yield ca
 
 
 async def _greedy(model: object, **options: object) -> list[int]:

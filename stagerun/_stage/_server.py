@@ -41,7 +41,7 @@ import trio
 from .. import _proto, plugins
 from .._decide._ticks import DEFAULT_TICK_ROWS
 from .._errors import LaneError, LaneHandshakeError, ProtocolError, StageError
-from .._util import raise_open_file_limit
+from .._util import FD_RESERVE, raise_open_file_limit
 from .._wire._address import parse_address
 from .._wire._auth import SECRET_FILE_ENV, is_loopback, lane_secret
 from .._wire._connect import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
@@ -67,7 +67,6 @@ SINK_WAIT_SECONDS = 5.0
 DEFAULT_MAX_CONNECTIONS = 1024  # far above an honest pipeline's lanes, standbys and probes
 DEFAULT_MAX_HANDSHAKES = 64  # honest peers take a round trip or two; pools connect one by one
 DEFAULT_IDLE_TIMEOUT = 600.0  # stage 0 replaces idle lanes found closed: minutes cost nothing
-FD_RESERVE = 64  # open files a stage needs besides its connections: model, logs, pipes, epoll
 PRESSURE_LOG_SECONDS = 10.0  # one warning this often at most about connections closed for room
 PLAIN_SCHEMES = ("tcp", "ws")  # transports whose frames cross the network unprotected
 

@@ -37,7 +37,7 @@ from .._driver._config import PipelineConfig
 from .._driver._launch import open_pipeline
 from .._driver._topology import load_topology
 from .._errors import StagerunError
-from .._util import raise_open_file_limit, single_exceptions
+from .._util import FD_RESERVE, raise_open_file_limit, single_exceptions
 from .._wire._auth import is_loopback, read_private_file
 from ._app import create_app
 from ._http import ConnectionLimit, serve_http
@@ -65,9 +65,6 @@ MAX_API_KEY_FILE_BYTES = 4096
 KEEP_ALIVE_TIMEOUT = 15.0
 # HTTP connections open at once when the open-file limit allows more (--max-connections).
 DEFAULT_MAX_CONNECTIONS = 1024
-# Open files the serve process keeps for itself besides HTTP connections and lanes: stage
-# pipes, the event loop, logs, the model file: measured 51 with three local stages, 13 with one.
-FD_RESERVE = 64
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
