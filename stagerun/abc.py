@@ -219,6 +219,29 @@ class ComputeBackend(abc.ABC):
         """
         return forward_each(self, items)
 
+    def export_kv(self, cache: Any, start: int, stop: int) -> Any:
+        """A copy of ``cache``'s keys and values for positions ``start..stop-1``, or None.
+
+        This is what a stage's prefix cache keeps of a block (`import_kv` puts it back into
+        another request's cache). The copy must not change when ``cache`` does, and must
+        have an ``nbytes`` attribute (the memory it holds). The default returns None: the
+        backend keeps no prefix cache, and its stage recomputes every prompt.
+
+        A backend that exports must also compute a row the same whatever chunk it comes in
+        (a prompt prefilled in one chunk, in several, or from a restored prefix, gives
+        bitwise the same outputs): otherwise a request's output could depend on what the
+        cache held. `stagerun.testing.check_backend` checks both.
+        """
+        return None
+
+    def import_kv(self, cache: Any, blocks: Sequence[Any]) -> None:
+        """Fill the empty ``cache`` with ``blocks`` (`export_kv` results, from position 0 on).
+
+        The blocks are consecutive and were exported by a backend with the same layers; the
+        cache's length becomes the sum of their positions.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not export its KV cache")
+
 
 class DrafterOptions(Protocol):
     """What a drafter may be built from (see `Drafter.create`)."""
@@ -284,6 +307,12 @@ def forward_each(
         except ComputeCancelled as exc:
             results.append(exc)
     return results
+
+
+def exports_kv(backend: Any) -> bool:
+    """Whether ``backend`` has its own `ComputeBackend.export_kv` (so its stage can cache)."""
+    method = getattr(type(backend), "export_kv", None)
+    return method is not None and method is not ComputeBackend.export_kv
 
 
 def run_batch(

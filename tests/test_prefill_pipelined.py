@@ -19,6 +19,9 @@ PROMPT_IDS = [(i * 37) % 270 + 3 for i in range(420)]  # a 420-token prompt (tin
 
 
 async def _run(model: pathlib.Path, **options: object) -> tuple[list[int], object]:
+    """The prompt twice, each prefilled whole (the prefix cache is off: the chunks are the
+    subject here)."""
+    options.setdefault("prefix_cache", False)
     async with open_pipeline(model, **options) as pipeline:  # type: ignore[arg-type]
         result = await pipeline.complete(PROMPT_IDS, max_tokens=8, ignore_eog=True)
         second = await pipeline.complete(PROMPT_IDS, max_tokens=8, ignore_eog=True)

@@ -351,6 +351,7 @@ BAD_HEADERS: list[tuple[str, Any, int, str]] = [
                 "return_key": 2,
                 "prompt_len": 3,
                 "sampling": {"temperature": -1.0, "top_k": 0, "top_p": 1.0, "seed": 0},
+                "prefix": [],
             },
         },
         0,

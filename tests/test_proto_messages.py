@@ -19,6 +19,7 @@ from stagerun._errors import ProtocolError
 from stagerun._proto import (
     CARRIES_ACTIVATIONS,
     MAX_ERROR_MESSAGE,
+    MAX_PREFIX_NAMES,
     MAX_TOKENS_PER_MESSAGE,
     MAX_WINDOW_IDS,
     MESSAGE_TYPES,
@@ -30,8 +31,12 @@ from stagerun._proto import (
     Error,
     Predictions,
     Prefill,
+    PrefixStats,
+    Probe,
+    Remember,
     SamplingParams,
     StageStats,
+    Status,
     Stop,
     Trim,
     Verify,
@@ -108,8 +113,8 @@ def test_protocol_core_never_imports_trio() -> None:
 
 def test_kinds_and_activation_carriers() -> None:
     assert list(MESSAGE_TYPES) == [
-        "configure", "prefill", "decode", "verify", "cancel",
-        "trim", "stop", "ack", "predictions", "cancelled", "error",
+        "configure", "prefill", "decode", "verify", "cancel", "trim", "remember",
+        "probe", "stop", "ack", "predictions", "cancelled", "error", "status",
     ]  # fmt: skip
     assert all(cls.kind == kind for kind, cls in MESSAGE_TYPES.items())
     assert {Prefill, Decode, Verify} == CARRIES_ACTIVATIONS
@@ -240,8 +245,18 @@ def test_unstructure_gives_plain_msgpack_values() -> None:
         ("stop", {"request_id": 1, "extra": 2}, "Stop has unknown field 'extra'"),
         ("stop", {"request_id": 1, b"x": 2}, "unknown field b'x'"),
         ("stop", None, "Stop fields must be a map, got None"),
-        ("ack", {"request_id": 1, "stats": [0, 0, 0, 0, 0]}, "StageStats fields must be a map"),
-        ("ack", {"request_id": 1, "stats": {"compute_us": 1}}, "StageStats is missing field"),
+        (
+            "ack",
+            {"request_id": 1, "stats": [0, 0, 0, 0, 0], "cached": 0},
+            "StageStats fields must be a map",
+        ),
+        (
+            "ack",
+            {"request_id": 1, "stats": {"compute_us": 1}, "cached": 0},
+            "StageStats is missing field",
+        ),
+        ("ack", {"request_id": 1, "stats": {}}, "Ack is missing field 'cached'"),
+        ("remember", {"request_id": 1, "prefix": [1, -2]}, r"Remember.prefix\[1\]"),
         ("trim", {"request_id": 1, "position": 2.0}, "Trim.position must be an int"),
         ("cancel", {"request_id": 1, "epoch": 0, "window_ids": [1, "2"]}, r"window_ids\[1\]"),
     ],
@@ -266,6 +281,8 @@ tokens = st.lists(token_ids, min_size=1, max_size=8).map(tuple) | st.just(
 maybe_tokens = st.just(()) | tokens
 window_ids = st.lists(ids, max_size=MAX_WINDOW_IDS).map(tuple)
 stats = st.builds(StageStats, *[ids] * len(attrs.fields(StageStats)))
+names = st.lists(keys, max_size=8).map(tuple) | st.just((2**64 - 1,) * MAX_PREFIX_NAMES)
+prefix_stats = st.builds(PrefixStats, st.booleans(), *[ids] * (len(attrs.fields(PrefixStats)) - 1))
 sampling = st.builds(
     SamplingParams,
     temperature=st.floats(0, 1e6) | st.integers(0, 100),  # an int is stored as a float
@@ -276,17 +293,20 @@ sampling = st.builds(
 error_text = st.text(max_size=40) | st.just("é" * MAX_ERROR_MESSAGE)
 
 VALID_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
-    "configure": st.builds(Configure, ids, keys, ids, sampling),
+    "configure": st.builds(Configure, ids, keys, ids, sampling, names),
     "prefill": st.builds(Prefill, ids, ids, ids, tokens, st.booleans()),
     "decode": st.builds(Decode, ids, ids, tokens),
     "verify": st.builds(Verify, ids, ids, ids, ids, tokens),
     "cancel": st.builds(Cancel, ids, ids, window_ids),
     "trim": st.builds(Trim, ids, ids),
+    "remember": st.builds(Remember, ids, names),
+    "probe": st.builds(Probe, ids),
     "stop": st.builds(Stop, ids),
-    "ack": st.builds(Ack, ids, stats),
+    "ack": st.builds(Ack, ids, stats, ids),
     "predictions": st.builds(Predictions, ids, ids, ids, maybe_tokens, stats),
     "cancelled": st.builds(Cancelled, ids, ids, window_ids),
     "error": st.builds(Error, ids, ids, error_text),
+    "status": st.builds(Status, ids, ids, prefix_stats),
 }
 
 

@@ -70,6 +70,7 @@ def add_bench_parsers(sub: _SubParsers) -> None:
     _add_speculative(bench_sub)
     _add_timeline(bench_sub)
     _add_prefill(bench_sub)
+    _add_chat(bench_sub)
     _add_load(bench_sub)
     _add_serve(bench_sub)
     _add_recovery(bench_sub)
@@ -184,6 +185,24 @@ def _add_prefill(bench_sub: _SubParsers) -> None:
     )
     prefill.add_argument("--json", action="store_true")
     _add_pipeline_options(prefill)
+
+
+def _add_chat(bench_sub: _SubParsers) -> None:
+    chat = bench_sub.add_parser(
+        "chat",
+        help="a multi-turn chat with a long system prompt: time to first token, prefix cache "
+        "on against off",
+    )
+    chat.add_argument("--turns", type=int, default=6, help="turns per conversation (default 6)")
+    chat.add_argument("--stages", type=int, default=3, help="stages of each pipeline (default 3)")
+    chat.add_argument("--hop-delay-ms", type=float, default=10.0)
+    chat.add_argument("--clients", type=int, default=1,
+                      help="users chatting at once over the same system prompt (default 1)")  # fmt: skip
+    chat.add_argument("--system-tokens", type=int, default=1000,
+                      help="tokens of the shared system prompt (default 1000)")  # fmt: skip
+    chat.add_argument("--max-tokens", type=int, default=32, help="tokens per answer at most")
+    chat.add_argument("--json", action="store_true")
+    _add_pipeline_options(chat)
 
 
 def _add_load(bench_sub: _SubParsers) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from .._driver._config import PipelineConfig
 from .._driver._topology import load_topology
+from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB
 from ._options import recovery_from_args, speculation_from_args
 
 
@@ -41,6 +42,8 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> PipelineConf
         "speculation": speculation_from_args(args) if hasattr(args, "speculative") else None,
         "recovery": recovery,
         "supervision": supervision,
+        "prefix_cache": get("prefix_cache", "on") == "on",
+        "prefix_cache_mb": get("prefix_cache_mb", DEFAULT_PREFIX_CACHE_MB),
     }
     if isinstance(get("stages"), int):
         settings["stages"] = get("stages")

@@ -211,6 +211,7 @@ async def _stage(args: argparse.Namespace) -> int:
                 max_handshakes=args.max_handshakes,
                 idle_timeout=args.idle_timeout,
                 max_payload_bytes=payload_limit(model),
+                prefix_cache_bytes=args.prefix_cache_mb << 20 if args.prefix_cache == "on" else 0,
                 link=LinkEmulation(
                     delay_s=args.hop_delay_ms / 1000.0,
                     bandwidth_bytes_per_s=(

@@ -17,7 +17,12 @@ from .._stage._server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFA
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
 from ._bench_options import _request_selector as _request_selector  # re-exported (tests use it)
 from ._bench_options import add_bench_parsers
-from ._pipeline_options import _add_pipeline_options, _link_options, _plugin_options
+from ._pipeline_options import (
+    _add_pipeline_options,
+    _link_options,
+    _plugin_options,
+    prefix_cache_options,
+)
 
 __all__ = ["build_parser", "recovery_from_args", "speculation_from_args"]
 
@@ -369,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"with a secret, nonce and proof) within SECS (default {DEFAULT_HANDSHAKE_TIMEOUT:g})",
     )
     _stage_limit_options(stage)
+    prefix_cache_options(stage)
     _link_options(stage)
     _secret_option(stage)
     _telemetry_options(stage)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB
+
 
 def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="model name or GGUF path (default: smollm2)")
@@ -74,6 +76,26 @@ def _plugin_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="compute device for backends that take one (torch): cuda, cuda:1, cpu",
     )
+    prefix_cache_options(p)
+
+
+def _megabytes(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB")
+    return int(text)
+
+
+def prefix_cache_options(p: argparse.ArgumentParser) -> None:
+    """``--prefix-cache on|off`` and ``--prefix-cache-mb`` (docs/prefix-cache.md)."""
+    p.add_argument(
+        "--prefix-cache", choices=["on", "off"], default="on",
+        help="reuse the KV of earlier requests' prefixes on every stage (default on)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-cache-mb", type=_megabytes, default=DEFAULT_PREFIX_CACHE_MB, metavar="MIB",
+        help="KV each stage may keep for later requests; running requests take room back "
+        f"from it (default {DEFAULT_PREFIX_CACHE_MB})",
+    )  # fmt: skip
 
 
 def _link_options(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ import attrs
 from .. import _decide, plugins
 from .._decide._prefill import ChunkPolicy
 from .._proto import ActivationDType
+from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB
 from .._wire._framed import LinkEmulation
 
 Mode = Literal["inproc", "processes"]
@@ -222,6 +223,10 @@ class PipelineConfig:
             (``mode="processes"``; default `SupervisionPolicy()`).
         reply_timeout: seconds stage 0 waits for a reply before the lane counts as broken
             (default ``$STAGERUN_STAGE_REPLY_TIMEOUT_SECS`` or 30).
+        prefix_cache: reuse the KV of earlier requests' prefixes on every stage (on by
+            default; a backend without `ComputeBackend.export_kv` keeps none).
+        prefix_cache_mb: MiB of KV blocks each stage started here, and stage 0, may cache;
+            running requests take KV room back from it whenever they need it.
     """
 
     stages: int = 1
@@ -246,6 +251,13 @@ class PipelineConfig:
     recovery: RecoveryPolicy | None = None
     supervision: SupervisionPolicy | None = None
     reply_timeout: float | None = None
+    prefix_cache: bool = True
+    prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        """What each stage's prefix cache may hold: 0 when it is off."""
+        return self.prefix_cache_mb << 20 if self.prefix_cache else 0
 
     def replace(self, **changes: Any) -> PipelineConfig:
         """A copy with ``changes`` (field names as keywords); an unknown name is a TypeError."""
@@ -310,6 +322,8 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
     """
     if config.hop_delay_ms < 0:
         raise ValueError(f"hop_delay_ms must not be negative, got {config.hop_delay_ms}")
+    if config.prefix_cache_mb < 0:
+        raise ValueError(f"prefix_cache_mb must not be negative, got {config.prefix_cache_mb}")
     remote = config.remote
     stages = len(remote) + 1 if remote is not None and config.layers is None else config.stages
     ranges = list(config.layers) if config.layers is not None else split_layers(n_layers, stages)

@@ -129,6 +129,7 @@ async def open_pipeline(
                 prefill_credit=config.prefill_credit,
                 speculation=config.speculation,
                 recovery=config.recovery,
+                prefix_cache_bytes=config.prefix_cache_bytes,
             )
             try:
                 yield pipeline
@@ -140,13 +141,14 @@ async def open_pipeline(
 
 
 def _stage_limits(model_file: ModelFile, config: PipelineConfig) -> dict[str, int]:
-    """Sessions and KV positions for the stages started here: room for the whole pool.
+    """Sessions, KV positions and prefix cache for the stages started here.
 
     The stages' defaults suit 16 requests at once; a larger pool (`PipelineConfig.capacity`,
     ``serve --max-batch``) needs a session per lane, with spares for lanes being replaced,
     and room for every lane's request to reach the context.
     """
     return {
+        "prefix_cache_bytes": config.prefix_cache_bytes,
         "max_sessions": max(DEFAULT_MAX_SESSIONS, 4 * config.capacity),
         "max_kv_tokens": max(
             DEFAULT_MAX_KV_TOKENS, config.capacity * model_file.config.context_length
@@ -191,6 +193,7 @@ async def _start_stages(
                     link=link,
                     max_sessions=limits["max_sessions"],
                     max_kv_tokens=limits["max_kv_tokens"],
+                    prefix_cache_bytes=limits["prefix_cache_bytes"],
                 )
             )
             started.append(StageInfo(stage.index, stage.layers, address, os.getpid()))
@@ -244,6 +247,7 @@ async def _spawn_stage(
     ]  # fmt: skip
     argv += ["--max-sessions", str(limits["max_sessions"])]
     argv += ["--max-kv-tokens", str(limits["max_kv_tokens"])]
+    argv += ["--prefix-cache-mb", str(limits["prefix_cache_bytes"] >> 20)]
     if downstream is not None:
         argv += ["--downstream", downstream]
     if device is not None:

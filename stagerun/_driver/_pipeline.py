@@ -2,9 +2,11 @@
 
 Theory of operation: stage 0 lives in the calling process. It owns the tokenizer, the first
 layer range and a `LanePool` to the rest of the pipeline (started or joined by
-`stagerun._driver._launch.open_pipeline`). A request checks out a lane and sends ``Configure``, then,
-without waiting for its ack, the prompt in planned prefill chunks (`stagerun._driver._prefill`;
-the last chunk asks the last stage for a prediction). It then decodes one token per round
+`stagerun._driver._launch.open_pipeline`). A request checks out a lane and sends ``Configure``, then
+the prompt in planned prefill chunks (`stagerun._driver._prefill`; the last chunk asks the last
+stage for a prediction). When stage 0's prefix cache holds the prompt's first blocks, the
+``Configure`` asks every stage for them and the prefill starts where all of them can
+(docs/prefix-cache.md); otherwise its ack is not waited for. It then decodes one token per round
 trip: stage 0 computes its layers for the newest token and sends the activations; the
 prediction comes straight back from the last stage. On success the pool ends the request with
 ``Stop``; on any failure (or cancellation) the lane is replaced, and `RecoveryPolicy` decides
@@ -17,6 +19,7 @@ Each request is a `stagerun._driver._request.Request`; `Pipeline` holds what req
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -34,10 +37,11 @@ from .._decide._prefill import (
     parse_chunk_policy,
 )
 from .._errors import LaneError
+from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, keep_blocks, restore_blocks
 from .._stage._scheduler import TickInfo, TickScheduler
 from .._util import single_exceptions
 from .._wire._connect import ENV_SECRET, alternatives, open_connection
-from ..abc import ComputeBackend, Drafter, ForwardItem
+from ..abc import ComputeBackend, Drafter, ForwardItem, exports_kv
 from ..model import ModelFile
 from ._config import DEFAULT_PREFILL_CREDIT, RecoveryPolicy, SpeculationConfig
 from ._lanes import LanePool
@@ -79,6 +83,7 @@ class Pipeline:
         speculation: SpeculationConfig | None = None,
         recovery: RecoveryPolicy | None = None,
         max_batch: int | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
     ) -> None:
         self.model = model
         self.recovery = recovery or RecoveryPolicy()
@@ -101,6 +106,11 @@ class Pipeline:
         self.last_prefill: PrefillReport | None = None
         self._backend0 = backend0
         self.scheduler = TickScheduler(backend0, max_items=max_batch, gather=GATHER_GROUPS)
+        # Stage 0's own prefix cache; without it no request asks the stages for theirs.
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_bytes > 0 and exports_kv(backend0):
+            self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_salt = secrets.token_bytes(16)  # keys the block names (`_proto._prefix`)
         self._shared_drafters: dict[tuple[str, str | None], Drafter] = {}
 
     def __repr__(self) -> str:
@@ -108,8 +118,12 @@ class Pipeline:
         return f"<Pipeline model={self.config.name!r} stages={len(self.stages)} layers={layout} pool={self.pool!r}>"
 
     async def check_health(self, timeout: float = 1.0) -> list[StageHealth]:
-        """Probe every stage at once: a handshake must complete within ``timeout`` seconds."""
-        results: list[StageHealth] = [StageHealth(self.stages[0], "ready")]
+        """Probe every stage at once: a handshake must complete within ``timeout`` seconds.
+
+        A stage that answers is also asked for its `_proto.Status` (its prefix cache).
+        """
+        own = self.prefix_cache.stats() if self.prefix_cache is not None else None
+        results: list[StageHealth] = [StageHealth(self.stages[0], "ready", prefix_cache=own)]
         probes: dict[str, AddressHealth] = {}
         secret = self.pool.secret if self.pool is not None else ENV_SECRET  # the lanes' own
 
@@ -126,9 +140,20 @@ class Pipeline:
             except LaneError as exc:
                 probes[address] = AddressHealth(address, "unreachable", error=str(exc))
                 return
-            await stream.aclose_forcefully()
             elapsed = (time.perf_counter() - start) * 1000.0
-            probes[address] = AddressHealth(address, "ready", latency_ms=elapsed)
+            status: _proto.PrefixStats | None = None
+            try:
+                await stream.send(_proto.Probe(request_id=0), timeout=timeout)
+                reply = (await stream.receive(timeout=timeout)).message
+                if isinstance(reply, _proto.Status):
+                    status = reply.prefix
+            except LaneError:
+                pass  # it answered the handshake: ready, with nothing to report
+            finally:
+                await stream.aclose_forcefully()
+            probes[address] = AddressHealth(
+                address, "ready", latency_ms=elapsed, prefix_cache=status
+            )
 
         each = {info.index: alternatives(info.address or "") for info in self.stages[1:]}
         async with trio.open_nursery() as nursery:
@@ -145,6 +170,7 @@ class Pipeline:
                 latency_ms=primary.latency_ms,
                 standbys=tuple(standbys),
                 serving=serving,
+                prefix_cache=primary.prefix_cache,
             )
             results.append(health)
         return results
@@ -298,6 +324,34 @@ class Pipeline:
 
     def _new_cache(self) -> Any:
         return self._backend0.new_cache()
+
+    async def _restore_prefix(self, context: Sequence[int]) -> tuple[Any, list[int]]:
+        """A new cache for ``context``, started from stage 0's prefix cache.
+
+        Returns the cache and the names of the blocks restored into it (to ask the stages
+        for). The last token of ``context`` is never restored: its logits are needed.
+        """
+        cache = self._new_cache()
+        prefix = self.prefix_cache
+        if prefix is None:
+            return cache, []
+        names = _proto.prefix_chain(
+            context, self.prefix_salt, blocks=(len(context) - 1) // _proto.PREFIX_BLOCK
+        )
+        held = await restore_blocks(prefix, self._backend0, cache, names)
+        return cache, names[:held]
+
+    async def _remember_prefix(self, cache: Any, tokens: Sequence[int], length: int) -> list[int]:
+        """Keep the whole blocks of ``cache``'s first ``length`` positions (``tokens``'s).
+
+        Returns their names, for the stages' ``Remember`` (empty with the prefix cache off).
+        """
+        prefix = self.prefix_cache
+        if prefix is None:
+            return []
+        names = _proto.prefix_chain(tokens[: min(length, cache.length)], self.prefix_salt)
+        await keep_blocks(prefix, self._backend0, cache, names)
+        return names
 
     def _make_drafter(self, config: SpeculationConfig) -> Drafter:
         cls = plugins.drafter(config.drafter)

@@ -149,8 +149,9 @@ async def send_prefill(
     wire_dtype: _proto.ActivationDType,
     estimate: PrefillTransportEstimate | None,
     configure_owed: bool = False,
+    start: int = 0,
 ) -> PrefillReport:
-    """Send ``prompt_ids`` in planned chunks, up to ``credit`` of them unacknowledged.
+    """Send ``prompt_ids[start:]`` in planned chunks, up to ``credit`` of them unacknowledged.
 
     ``compute0(position, tokens)`` runs stage 0's layers (every row's activations).
     Stage 0 computes chunk i+1 while the later stages work on chunk i. The acks of the chunks
@@ -159,6 +160,8 @@ async def send_prefill(
 
     ``configure_owed``: the request's ``Configure`` went down unacknowledged just before;
     its ack comes first, and a stage's refusal of it arrives here as `StageError`.
+    ``start``: the positions before it are in every stage's cache already (a restored
+    prefix); the first chunk starts there.
     """
     sender = _ChunkSender(
         lane,
@@ -169,13 +172,15 @@ async def send_prefill(
         configure_owed=configure_owed,
     )
     total = len(prompt_ids)
-    planner = PrefillPlanner(policy, total)
+    if not 0 <= start < total:
+        raise ValueError(f"a prefill of {total} tokens cannot start at {start}")
+    planner = PrefillPlanner(policy, total - start)
     if estimate is not None:
         planner.seed(estimate)
     report = PrefillReport(policy=repr(policy))
     tel = telemetry.current()
     prefill_start = telemetry.now_ns()
-    position = 0
+    position = start
     prefill_t0 = time.perf_counter()
     while position < total:
         size = planner.next_size(total - position)
@@ -198,7 +203,7 @@ async def send_prefill(
     tel.span(
         "stage.openai_prefill",
         prefill_start,
-        _prefill_attributes(request_id, total, report, sender.down, prefill_start),
+        _prefill_attributes(request_id, total - start, report, sender.down, prefill_start),
     )
     if estimate is not None and acked:
         _observe_transport(estimate, report, sender.down, acked)

@@ -1,9 +1,11 @@
 """One request on stage 0, as an object: its ids, cache, committed tokens, text and timings.
 
 Theory of operation: `Request.run` is the recovery loop. Each attempt checks out a lane, sends
-``Configure`` and, without waiting for its ack, prefills the committed tokens (the prompt, and
-after a recovery every token generated so far: `replay_context`), then decodes, plainly or
-through pipelined verify windows (`stagerun._driver._speculative`). A lane failure replaces the
+``Configure`` and prefills the committed tokens (the prompt, and after a recovery every token
+generated so far: `replay_context`) from the longest prefix that stage 0 and every stage hold
+in their prefix caches (`Request.first_token`), then decodes, plainly or through pipelined
+verify windows (`stagerun._driver._speculative`), and at the end has every stage remember the
+blocks it computed (`Request.remember`). A lane failure replaces the
 lane; `RecoveryPolicy` says how many failures the request survives and how long it waits for
 a fresh lane, and the next attempt starts under a new request id (a new chain session on
 every stage). Tokens are committed one by one (`Request.commit`): text assembly with stop
@@ -72,6 +74,12 @@ class StageZero(Protocol):
     scheduler: TickScheduler  # stage 0's compute, batched over its requests
 
     def _new_cache(self) -> Any: ...
+
+    async def _restore_prefix(self, context: Sequence[int]) -> tuple[Any, list[int]]: ...
+
+    async def _remember_prefix(
+        self, cache: Any, tokens: Sequence[int], length: int
+    ) -> list[int]: ...
 
     def _make_drafter(self, config: SpeculationConfig) -> Drafter: ...
 
@@ -161,23 +169,16 @@ class Request:
         """Generate to the end, recovering from lane failures; return the `Completion`."""
         pool = self.pipeline.pool
         if pool is None:
-            return await self.completion(await self.decode(LocalLane(self.sampling)))
+            local = LocalLane(self.sampling)
+            eog_stop = await self.decode(local)
+            await self.remember(local)
+            return await self.completion(eog_stop)
         attempt = _Attempt()
         while True:
             try:
                 async with pool.checkout(self.request_id) as lane:
-                    # Not waited for here: the stages handle frames in order, so the prefill
-                    # follows at once and `send_prefill` reads this ack with its own (a round
-                    # trip of the whole chain less before the first token).
-                    await lane.send(
-                        _proto.Configure(
-                            request_id=self.request_id,
-                            return_key=lane.return_key,
-                            prompt_len=len(self.prompt_ids),
-                            sampling=self.sampling,
-                        )
-                    )
                     eog_stop = await self.decode(lane)
+                    await self.remember(lane)
                 break
             except (LaneError, StageError) as exc:
                 await self.recover(exc, attempt)
@@ -230,12 +231,44 @@ class Request:
         return await self.decode_plain(lane, first, len(context))
 
     async def first_token(self, lane: Lane | LocalLane, context: list[int]) -> int:
-        """Prefill ``context`` and return the token that follows it."""
-        if isinstance(lane, LocalLane):  # one compute of the whole prompt, as the model alone
+        """Prefill ``context`` and return the token that follows it.
+
+        The prefill starts from the longest prefix that stage 0 and every stage hold in their
+        prefix caches: stage 0 restores its own, and asks the stages for the same blocks in
+        ``Configure``; their ``Ack`` says how far all of them got (a stage that was
+        restarted, or evicted some, holds less), and the prefill starts there. Then the
+        context's blocks are remembered on every stage for later requests.
+        """
+        self.cache, names = await self.pipeline._restore_prefix(context)
+        if isinstance(lane, LocalLane):  # one compute of the rest of the prompt, as alone
+            start = len(names) * _proto.PREFIX_BLOCK
             logits = await self.pipeline._compute0(
-                self.cache, 0, context, request_id=self.request_id, prefill=True
+                self.cache, start, context[start:], request_id=self.request_id, prefill=True
             )
-            return sample_token(logits[-1], self.sampling, len(context))
+            token = sample_token(logits[-1], self.sampling, len(context))
+        else:
+            token, start = await self._prefill(lane, context, names)
+        self.extra["prefix_cached_tokens"] = start  # of the last prefill (a recovery's, too)
+        await self.remember(lane, context, len(context))
+        return token
+
+    async def _prefill(self, lane: Lane, context: list[int], names: list[int]) -> tuple[int, int]:
+        """Configure the request on the lane and prefill ``context`` from the cached prefix.
+
+        Returns the token that follows and the position the prefill started from.
+        """
+        await lane.send(
+            _proto.Configure(
+                request_id=self.request_id,
+                return_key=lane.return_key,
+                prompt_len=len(self.prompt_ids),
+                sampling=self.sampling,
+                prefix=tuple(names),
+            )
+        )
+        start = 0
+        if names:  # the stages say how much of it they hold before anything is sent
+            start = min(len(names) * _proto.PREFIX_BLOCK, (await lane.receive_ack()).cached)
 
         async def compute(position: int, tokens: Sequence[int]) -> np.ndarray[Any, Any]:
             return await self.pipeline._compute0(
@@ -258,12 +291,32 @@ class Request:
             credit=pipeline.prefill_credit,
             wire_dtype=pipeline.wire_dtype,
             estimate=pipeline.pool.prefill_transport,
-            configure_owed=True,  # `run` sent Configure just before, without waiting
+            start=start,
+            # Without a prefix to ask about, Configure's ack is not waited for: the stages
+            # handle frames in order, so the prefill follows at once and `send_prefill`
+            # reads that ack with its own (a round trip of the whole chain less).
+            configure_owed=not names,
         )
         pipeline.last_prefill = report
         self.extra["prefill_chunks"] = self.extra.get("prefill_chunks", 0) + report.chunks
         reply = await lane.receive_predictions(self.request_id)
-        return int(reply.tokens[-1])
+        return int(reply.tokens[-1]), start
+
+    async def remember(
+        self, lane: Lane | LocalLane, tokens: Sequence[int] | None = None, length: int = 0
+    ) -> None:
+        """Keep the whole blocks of the first ``length`` positions on every stage.
+
+        By default, at the end of the request: every committed token but the last, which was
+        never fed (a later turn of a chat starts with them). Stage 0 keeps its own, and the
+        stages theirs (``Remember``, not acknowledged: they copy while stage 0 goes on).
+        """
+        if tokens is None:
+            tokens = replay_context(self.prompt_ids, self.generated)
+            length = len(tokens) - 1
+        names = await self.pipeline._remember_prefix(self.cache, tokens, length)
+        if names and isinstance(lane, Lane):
+            await lane.send(_proto.Remember(request_id=self.request_id, prefix=tuple(names)))
 
     async def decode_plain(self, lane: Lane | LocalLane, token: int, position: int) -> bool:
         """One token per round trip from ``token`` at ``position``; True if EOG ended it."""

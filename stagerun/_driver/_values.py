@@ -7,6 +7,7 @@ from typing import Any, Literal
 import attrs
 import trio
 
+from .. import _proto
 from .._wire._connect import alternatives
 from ..model import ModelFile
 
@@ -59,6 +60,7 @@ class AddressHealth:
     state: Literal["ready", "unreachable"]
     error: str | None = None
     latency_ms: float | None = None
+    prefix_cache: _proto.PrefixStats | None = None  # what the stage reported, if it did
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"address": self.address, "state": self.state}
@@ -84,6 +86,7 @@ class StageHealth:
     latency_ms: float | None = None
     standbys: tuple[AddressHealth, ...] = ()
     serving: str | None = None
+    prefix_cache: _proto.PrefixStats | None = None  # the primary's (stage 0: its own)
 
     @property
     def primary(self) -> str:
@@ -115,7 +118,18 @@ class StageHealth:
             out["latency_ms"] = round(self.latency_ms, 3)
         if self.error is not None:
             out["error"] = self.error
+        if self.prefix_cache is not None:
+            out["prefix_cache"] = prefix_cache_json(self.prefix_cache)
         return out
+
+
+def prefix_cache_json(stats: _proto.PrefixStats) -> dict[str, Any]:
+    """``/health``'s view of a stage's prefix cache: its counts and its hit rate."""
+    out: dict[str, Any] = attrs.asdict(stats)
+    out["hit_rate"] = (
+        round(stats.hit_tokens / stats.lookup_tokens, 4) if stats.lookup_tokens else None
+    )
+    return out
 
 
 @attrs.frozen

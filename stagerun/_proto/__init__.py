@@ -42,9 +42,11 @@ from ._handshake import encode_refusal as encode_refusal
 from ._handshake import proofs_match as proofs_match
 from ._messages import CARRIES_ACTIVATIONS as CARRIES_ACTIVATIONS
 from ._messages import MAX_ERROR_MESSAGE as MAX_ERROR_MESSAGE
+from ._messages import MAX_PREFIX_NAMES as MAX_PREFIX_NAMES
 from ._messages import MAX_TOKENS_PER_MESSAGE as MAX_TOKENS_PER_MESSAGE
 from ._messages import MAX_WINDOW_IDS as MAX_WINDOW_IDS
 from ._messages import MESSAGE_TYPES as MESSAGE_TYPES
+from ._messages import PREFIX_BLOCK as PREFIX_BLOCK
 from ._messages import PROTOCOL_VERSION as PROTOCOL_VERSION
 from ._messages import Ack as Ack
 from ._messages import ActivationMessage as ActivationMessage
@@ -56,8 +58,13 @@ from ._messages import Error as Error
 from ._messages import Message as Message
 from ._messages import Predictions as Predictions
 from ._messages import Prefill as Prefill
+from ._messages import PrefixStats as PrefixStats
+from ._messages import Probe as Probe
+from ._messages import Remember as Remember
 from ._messages import SamplingParams as SamplingParams
 from ._messages import StageStats as StageStats
+from ._messages import Status as Status
 from ._messages import Stop as Stop
 from ._messages import Trim as Trim
 from ._messages import Verify as Verify
+from ._prefix import prefix_chain as prefix_chain

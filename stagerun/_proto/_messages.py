@@ -39,10 +39,12 @@ from cattrs.gen import make_dict_structure_fn
 
 from .._errors import ProtocolError
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 
 MAX_TOKENS_PER_MESSAGE: Final = 65536
 MAX_WINDOW_IDS: Final = 64
+PREFIX_BLOCK: Final = 16  # tokens per prefix block (vLLM's default block size; see `_prefix`)
+MAX_PREFIX_NAMES: Final = MAX_TOKENS_PER_MESSAGE // PREFIX_BLOCK  # block names per message
 MAX_ERROR_MESSAGE: Final = 4096
 
 _ID_LIMIT: Final = 2**63
@@ -189,6 +191,7 @@ _ID = _int_in(_ID_LIMIT)
 _TOKENS = _int_tuple(limit=_TOKEN_LIMIT, max_len=MAX_TOKENS_PER_MESSAGE, non_empty=True)
 _MAYBE_TOKENS = _int_tuple(limit=_TOKEN_LIMIT, max_len=MAX_TOKENS_PER_MESSAGE, non_empty=False)
 _WINDOW_IDS = _int_tuple(limit=_ID_LIMIT, max_len=MAX_WINDOW_IDS, non_empty=False)
+_PREFIX_NAMES = _int_tuple(limit=_KEY_LIMIT, max_len=MAX_PREFIX_NAMES, non_empty=False)
 
 
 @attrs.frozen
@@ -276,7 +279,12 @@ _NO_STATS: Final = StageStats()
 
 @attrs.frozen
 class Configure:
-    """Open a request on a chain and bind it to the return connection parked under ``return_key``."""
+    """Open a request on a chain and bind it to the return connection parked under ``return_key``.
+
+    ``prefix`` names the prefix blocks stage 0 would like the request to start from
+    (`stagerun._proto._prefix`): each stage restores the longest run of them it holds, and
+    the ``Ack`` says how many positions every stage below restored (``Ack.cached``).
+    """
 
     kind: ClassVar[str] = "configure"
     request_id: int = attrs.field(validator=_ID)
@@ -285,6 +293,7 @@ class Configure:
     sampling: SamplingParams = attrs.field(
         default=SamplingParams(), validator=attrs.validators.instance_of(SamplingParams)
     )
+    prefix: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple, validator=_PREFIX_NAMES)
 
 
 @attrs.frozen
@@ -341,6 +350,27 @@ class Trim:
 
 
 @attrs.frozen
+class Remember:
+    """The request's first ``16 * len(prefix)`` positions are these blocks: keep them (no reply).
+
+    Each stage copies the blocks it does not hold yet from the request's cache into its
+    prefix cache, as far as its cache reaches, and passes the message on.
+    """
+
+    kind: ClassVar[str] = "remember"
+    request_id: int = attrs.field(validator=_ID)
+    prefix: tuple[int, ...] = attrs.field(converter=_as_tuple, validator=_PREFIX_NAMES)
+
+
+@attrs.frozen
+class Probe:
+    """Ask the stage at the other end of this connection for its `Status` (not forwarded)."""
+
+    kind: ClassVar[str] = "probe"
+    request_id: int = attrs.field(validator=_ID)
+
+
+@attrs.frozen
 class Stop:
     """End the request and free its sessions on every stage."""
 
@@ -353,12 +383,45 @@ class Stop:
 
 @attrs.frozen
 class Ack:
-    """Hop-by-hop acknowledgement carrying the merged stats of every stage below."""
+    """Hop-by-hop acknowledgement carrying the merged stats of every stage below.
+
+    ``cached``: for a ``Configure``, the positions of the request's prefix that this stage
+    and every stage below it restored from their prefix caches (the least of them).
+    """
 
     kind: ClassVar[str] = "ack"
     request_id: int = attrs.field(validator=_ID)
     stats: StageStats = attrs.field(
         default=_NO_STATS, validator=attrs.validators.instance_of(StageStats)
+    )
+    cached: int = attrs.field(default=0, validator=_ID)
+
+
+@attrs.frozen
+class PrefixStats:
+    """A stage's prefix cache, as its `Status` reports it (counts since the stage started)."""
+
+    enabled: bool = attrs.field(default=False, validator=_is_bool)
+    blocks: int = attrs.field(default=0, validator=_ID)
+    bytes: int = attrs.field(default=0, validator=_ID)
+    max_bytes: int = attrs.field(default=0, validator=_ID)
+    hits: int = attrs.field(default=0, validator=_ID)
+    misses: int = attrs.field(default=0, validator=_ID)
+    hit_tokens: int = attrs.field(default=0, validator=_ID)
+    lookup_tokens: int = attrs.field(default=0, validator=_ID)
+    stored_blocks: int = attrs.field(default=0, validator=_ID)
+    evicted_blocks: int = attrs.field(default=0, validator=_ID)
+
+
+@attrs.frozen
+class Status:
+    """A stage's answer to a `Probe`: what its caches hold."""
+
+    kind: ClassVar[str] = "status"
+    request_id: int = attrs.field(validator=_ID)
+    stage_index: int = attrs.field(validator=_ID)
+    prefix: PrefixStats = attrs.field(
+        default=PrefixStats(), validator=attrs.validators.instance_of(PrefixStats)
     )
 
 
@@ -407,11 +470,14 @@ Message: TypeAlias = (
     | Verify
     | Cancel
     | Trim
+    | Remember
+    | Probe
     | Stop
     | Ack
     | Predictions
     | Cancelled
     | Error
+    | Status
 )
 """Any message a frame can carry."""
 
@@ -427,11 +493,14 @@ MESSAGE_TYPES: Final[Mapping[str, type[Message]]] = {
         Verify,
         Cancel,
         Trim,
+        Remember,
+        Probe,
         Stop,
         Ack,
         Predictions,
         Cancelled,
         Error,
+        Status,
     )
 }
 CARRIES_ACTIVATIONS: Final[frozenset[type[Message]]] = frozenset({Prefill, Decode, Verify})

@@ -2,11 +2,13 @@
 
 A backend grows a session's cache as positions are computed (up to the model's context; a
 ``Trim`` gives no memory back), so a session is charged for the furthest position it ever
-reached, until it ends.
+reached, until it ends. The stage's prefix cache (`stagerun._stage._prefix`) holds KV
+positions from the same budget, and gives them back whenever a session needs them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 DEFAULT_MAX_SESSIONS = 64  # 4x the server's default --max-batch: a lane per request, and spares
@@ -46,6 +48,8 @@ class SessionBudget:
         self.max_kv_tokens = max_kv_tokens
         self.sessions = 0
         self.kv_tokens = 0
+        self.cached_tokens = 0  # held by the prefix cache, which gives them back on demand
+        self.reclaim: Callable[[int], int] | None = None  # evicts cached positions: the freed
 
     def __repr__(self) -> str:
         return (
@@ -68,7 +72,10 @@ class SessionBudget:
         extra = end - session.kv_positions
         if extra <= 0:
             return None
-        if self.kv_tokens + extra > self.max_kv_tokens:
+        over = self.kv_tokens + self.cached_tokens + extra - self.max_kv_tokens
+        if over > 0 and self.reclaim is not None:
+            self.reclaim(over)  # running requests win over cached prefixes
+        if self.kv_tokens + self.cached_tokens + extra > self.max_kv_tokens:
             return (
                 f"this stage's sessions already hold {self.kv_tokens} KV positions; {extra} more "
                 f"would pass its limit (max_kv_tokens={self.max_kv_tokens}); run fewer or "
@@ -77,6 +84,17 @@ class SessionBudget:
         self.kv_tokens += extra
         session.kv_positions = end
         return None
+
+    def hold_cached(self, positions: int) -> bool:
+        """Count ``positions`` held by the prefix cache, if they fit beside the sessions'."""
+        if self.kv_tokens + self.cached_tokens + positions > self.max_kv_tokens:
+            return False
+        self.cached_tokens += positions
+        return True
+
+    def release_cached(self, positions: int) -> None:
+        """The prefix cache let go of ``positions``."""
+        self.cached_tokens -= positions
 
     def close(self, session: Charged) -> None:
         """Give back what ``session`` held (it has ended)."""

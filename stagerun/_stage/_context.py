@@ -21,6 +21,7 @@ from ._scheduler import TickInfo
 
 if TYPE_CHECKING:
     from ._budget import SessionBudget
+    from ._prefix import PrefixCache
 
 
 class StageContext(Protocol):
@@ -32,6 +33,7 @@ class StageContext(Protocol):
     link: LinkEmulation
     reply_timeout: float  # the deadline of every write to a peer (upstream, downstream, sink)
     session_budget: SessionBudget  # what the sessions of all lanes may hold together
+    prefix_cache: PrefixCache | None  # KV blocks of earlier requests' prefixes (None: off)
     # counters the workers add to; the server reports them
     protocol_errors: int
     stale_dropped: int

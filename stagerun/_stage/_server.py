@@ -52,11 +52,12 @@ from .._wire._framed import (
     LinkEmulation,
     server_handshake,
 )
-from ..abc import ComputeBackend, ForwardItem
+from ..abc import ComputeBackend, ForwardItem, exports_kv
 from ..model import ModelFile
 from ..transports._websocket import parse_ws_address
 from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
 from ._connections import Connection, ConnectionTable, TrackedStream
+from ._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache
 from ._scheduler import TickInfo, TickScheduler
 from ._worker import LaneWorker
 
@@ -97,6 +98,9 @@ class StageServer:
         max_payload_bytes: the largest activation payload one frame from an upstream lane may
             carry (`stagerun._proto.DEFAULT_MAX_PAYLOAD_BYTES` by default); ``stagerun stage``
             gives what the model's longest message needs, context x width in float32.
+        prefix_cache_bytes: what this stage's prefix cache may hold (0: no prefix cache). It
+            also holds KV positions of ``max_kv_tokens``, which requests take back when they
+            need them. A backend without `ComputeBackend.export_kv` keeps none.
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class StageServer:
         max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
     ) -> None:
         if not (0 < handshake_timeout < math.inf):
             raise ValueError(
@@ -150,6 +155,9 @@ class StageServer:
         self.address: str | None = None
         self.reply_timeout = stage_reply_timeout()
         self.session_budget = SessionBudget(max_sessions=max_sessions, max_kv_tokens=max_kv_tokens)
+        self.prefix_cache: PrefixCache | None = None
+        if prefix_cache_bytes > 0 and exports_kv(backend):
+            self.prefix_cache = PrefixCache(prefix_cache_bytes, budget=self.session_budget)
         self.refused = 0  # connections turned down in the handshake
         self.protocol_errors = 0  # lanes closed for a malformed frame
         self.max_connections = max_connections  # as asked; `connection_limit` is what holds
@@ -456,14 +464,15 @@ async def serve_stage(
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
+    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve one stage on ``listen`` until cancelled.
 
     ``await nursery.start(serve_stage, ...)`` gives the address it really listens on.
     ``handshake_timeout``, ``max_batch``, ``max_sessions``, ``max_kv_tokens``,
-    ``max_connections``, ``max_handshakes``, ``idle_timeout`` and ``max_payload_bytes`` are
-    `StageServer`'s.
+    ``max_connections``, ``max_handshakes``, ``idle_timeout``, ``max_payload_bytes`` and
+    ``prefix_cache_bytes`` are `StageServer`'s.
     """
     server = StageServer(
         backend,
@@ -479,5 +488,6 @@ async def serve_stage(
         max_handshakes=max_handshakes,
         idle_timeout=idle_timeout,
         max_payload_bytes=max_payload_bytes,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     await server.serve(listen, task_status=task_status)

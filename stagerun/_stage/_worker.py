@@ -54,6 +54,7 @@ from .._wire._framed import FrameStream, LinkEmulation
 from ..abc import ForwardItem
 from ..telemetry import Telemetry, now_ns
 from ._context import StageContext
+from ._prefix import keep_blocks, restore_blocks
 from ._queue import MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, FrameQueue
 from ._scheduler import TickInfo
 from ._session import (
@@ -75,13 +76,18 @@ DOWNSTREAM_CONNECT_SECONDS = 30.0
 MAX_SESSIONS_PER_LANE = 4  # stage 0 runs one request per lane; a little slack, never more
 
 
-@attrs.frozen
+@attrs.define
 class _OwedAck:
-    """An ``Ack`` this stage owes upstream once the downstream acknowledges ``request_id``."""
+    """An ``Ack`` this stage owes upstream once the downstream acknowledges ``request_id``.
+
+    It is queued before its message goes down: the downstream's ``Ack`` can arrive before
+    the write returns, and must find it (the write's figures are filled in after).
+    """
 
     request_id: int
     stats: _proto.StageStats
     sent: float  # when the message went downstream (perf_counter)
+    cached: int = 0  # a Configure's: the prefix positions this stage restored
 
 
 class LaneWorker:
@@ -244,7 +250,23 @@ class LaneWorker:
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
             case _proto.Cancel():
                 await self._cancel(message)
-            case _proto.Ack() | _proto.Predictions() | _proto.Cancelled() | _proto.Error():
+            case _proto.Remember():
+                await self._remember(message)
+            case _proto.Probe():
+                cache = self.server.prefix_cache
+                stats = cache.stats() if cache is not None else _proto.PrefixStats()
+                await self._send_up(
+                    _proto.Status(
+                        request_id=message.request_id, stage_index=self.server.index, prefix=stats
+                    )
+                )
+            case (
+                _proto.Ack()
+                | _proto.Predictions()
+                | _proto.Cancelled()
+                | _proto.Error()
+                | _proto.Status()
+            ):
                 raise ProtocolError(
                     f"{type(message).__name__} is a reply; the upstream of a lane sends requests"
                 )
@@ -273,12 +295,44 @@ class LaneWorker:
             text = f"stage {self.server.index} refused request {rid}: {refusal}"
             await self._fail(rid, text, upstream=True)
             return
-        self.sessions[rid] = Session(
+        session = Session(
             cache=self.server.backend.new_cache(),
             sampling=message.sampling,
             prompt_len=message.prompt_len,
         )
-        await self._relay_ack(message, _proto.StageStats(stage_count=1), fresh_session=True)
+        self.sessions[rid] = session
+        cached = await self._restore(session, message.prefix)
+        await self._relay_ack(
+            message, _proto.StageStats(stage_count=1), fresh_session=True, cached=cached
+        )
+
+    async def _restore(self, session: Session, names: tuple[int, ...]) -> int:
+        """Copy the longest run of ``names`` this stage holds into the new session's cache.
+
+        The positions restored (0 without a prefix cache, or without room for them in the
+        stage's budget: then the request recomputes them, which is never wrong).
+        """
+        cache = self.server.prefix_cache
+        if cache is None or not names:
+            return 0
+        budget = self.server.session_budget
+        held = await restore_blocks(
+            cache,
+            self.server.backend,
+            session.cache,
+            names,
+            room=lambda positions: budget.grow(session, positions) is None,
+        )
+        return held * _proto.PREFIX_BLOCK
+
+    async def _remember(self, message: _proto.Remember) -> None:
+        """Keep the request's blocks this stage does not hold yet, and pass the names on."""
+        if not self.server.is_last:
+            await (await self._downstream()).send(message, timeout=self.server.reply_timeout)
+        session = self.sessions.get(message.request_id)
+        cache = self.server.prefix_cache
+        if session is not None and cache is not None:
+            await keep_blocks(cache, self.server.backend, session.cache, message.prefix)
 
     async def _cancel(self, message: _proto.Cancel) -> None:
         if not self.server.is_last:
@@ -295,20 +349,25 @@ class LaneWorker:
             )
 
     async def _relay_ack(
-        self, message: _proto.Message, own: _proto.StageStats, *, fresh_session: bool = False
+        self,
+        message: _proto.Message,
+        own: _proto.StageStats,
+        *,
+        fresh_session: bool = False,
+        cached: int = 0,
     ) -> None:
         if self.server.is_last:
-            await self._send_up(_proto.Ack(request_id=message.request_id, stats=own))
+            await self._send_up(_proto.Ack(request_id=message.request_id, stats=own, cached=cached))
             return
         try:
             down = await self._downstream(fresh_session=fresh_session)
+            self._owed.append(_OwedAck(message.request_id, own, time.perf_counter(), cached))
             await down.send(message, timeout=self.server.reply_timeout)
         except LaneError as exc:
             await self._fail(
                 message.request_id, f"downstream stage unreachable: {exc}", upstream=True
             )
             raise
-        self._owed.append(_OwedAck(message.request_id, own, time.perf_counter()))
 
     async def _relay_acks(self, down: FrameStream) -> None:
         """Acknowledge upstream as the downstream acknowledges, merging this stage's stats.
@@ -342,7 +401,10 @@ class LaneWorker:
                     )
                 stats = own.merge(reply.stats)
                 stats = attrs.evolve(stats, downstream_wait_us=stats.downstream_wait_us + wait_us)
-                await self._send_up(_proto.Ack(request_id=owed.request_id, stats=stats))
+                cached = min(owed.cached, reply.cached)  # what every stage from here holds
+                await self._send_up(
+                    _proto.Ack(request_id=owed.request_id, stats=stats, cached=cached)
+                )
             else:
                 await self._send_up(reply)  # an Error from further down, unchanged
 
@@ -464,10 +526,15 @@ class LaneWorker:
         server = self.server
         down = await self._downstream()
         write_start = time.perf_counter()
+        owed = _OwedAck(message.request_id, stats, write_start) if owes_ack else None
+        if owed is not None:
+            self._owed.append(owed)
         await down.send(message, out, server.wire_dtype, timeout=server.reply_timeout)
         write_us = us_since(write_start)
         session.forward_write_us += write_us
         stats = attrs.evolve(stats, forward_write_us=write_us)
+        if owed is not None:  # unless its Ack came back already
+            owed.stats, owed.sent = stats, time.perf_counter()
         if tel.debug_enabled:
             tel.debug_span(
                 "stage.binary_downstream_write",
@@ -478,8 +545,6 @@ class LaneWorker:
                     "llama_stage.elapsed_ms": write_us / 1000.0,
                 },
             )
-        if owes_ack:
-            self._owed.append(_OwedAck(message.request_id, stats, time.perf_counter()))
 
     async def _reply_predictions(
         self,

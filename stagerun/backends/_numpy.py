@@ -33,6 +33,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 from threadpoolctl import ThreadpoolController
@@ -43,13 +44,14 @@ from ..model import LayerWeights, ModelFile, fuse_layer
 from ._inputs import check_positions, forward_one, poll_stops, stage_input
 from ._layers import GgufLayers
 
-__all__ = ["KVCache", "NumpyBackend"]
+__all__ = ["KVBlock", "KVCache", "NumpyBackend"]
 
 F32 = npt.NDArray[np.float32]
 _CHUNK = 256  # first KV allocation, in tokens; later growth doubles
 _PANEL = 64  # columns per weight panel
 # M*N*K up to which OpenBLAS's sgemm uses its small-matrix kernel (x86-64 SkylakeX and later)
 _SMALL_GEMM = 1_000_000
+_KEY_BLOCK = 64  # keys per attention block: every sum over keys has this fixed length
 _controller: ThreadpoolController | None = None
 
 
@@ -66,22 +68,26 @@ def _blas_limit(threads: int | None) -> contextlib.AbstractContextManager[object
 class KVCache:
     """Keys and values of one session on one stage, for positions ``0..length-1``.
 
-    Storage is ``[layers, n_kv, capacity, head_dim]`` for K and for V, grown in place by doubling.
+    Keys are stored transposed, ``[layers, n_kv, head_dim, capacity]``, and values as
+    ``[layers, n_kv, capacity, head_dim]``: a block of keys is then a plain matrix for the
+    score gemm (a transposed operand makes OpenBLAS pick kernels by the row count, and a
+    row's scores would depend on its chunk). Storage grows in place by doubling, in whole key
+    blocks.
     """
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, max_length: int) -> None:
         self.length = 0
         self._max = max_length
         self._shape = (n_layers, n_kv, 0, head_dim)
-        self._k: F32 = np.empty(self._shape, np.float32)
-        self._v: F32 = np.empty(self._shape, np.float32)
+        self._k: F32 = np.zeros((n_layers, n_kv, head_dim, 0), np.float32)
+        self._v: F32 = np.zeros(self._shape, np.float32)
 
     def __repr__(self) -> str:
         return f"<KVCache length={self.length} capacity={self.capacity} layers={self._shape[0]}>"
 
     @property
     def capacity(self) -> int:
-        return int(self._k.shape[2])
+        return int(self._v.shape[2])
 
     def trim(self, position: int) -> None:
         """Forget every position at and after ``position`` (no-op past the end)."""
@@ -90,14 +96,37 @@ class KVCache:
         self.length = min(self.length, position)
 
     def _reserve(self, needed: int) -> None:
+        """Room for ``needed`` positions, in whole key blocks (attention reads whole blocks).
+
+        New room is zeros: the padding of the last block is masked, and must be finite.
+        """
+        needed = -(-needed // _KEY_BLOCK) * _KEY_BLOCK
         if needed <= self.capacity:
             return
         cap = min(max(needed, 2 * self.capacity, _CHUNK), max(needed, self._max))
+        cap = -(-cap // _KEY_BLOCK) * _KEY_BLOCK
         n_layers, n_kv, _, hd = self._shape
-        for name in ("_k", "_v"):
-            new = np.empty((n_layers, n_kv, cap, hd), np.float32)
-            new[:, :, : self.length] = getattr(self, name)[:, :, : self.length]
-            setattr(self, name, new)
+        k = np.zeros((n_layers, n_kv, hd, cap), np.float32)
+        k[..., : self.length] = self._k[..., : self.length]
+        v = np.zeros((n_layers, n_kv, cap, hd), np.float32)
+        v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v = k, v
+
+
+@attrs.frozen(eq=False)
+class KVBlock:
+    """A copy of one cache's keys and values for a run of positions (`NumpyBackend.export_kv`)."""
+
+    k: F32  # [layers, n_kv, head_dim, positions]
+    v: F32  # [layers, n_kv, positions, head_dim]
+
+    @property
+    def positions(self) -> int:
+        return int(self.v.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
 
 
 class _Layer:
@@ -133,6 +162,11 @@ class _Panels:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.data.shape[1], self.n_out)
+
+
+def _attention_rows(head_dim: int) -> int:
+    """Query rows per attention gemm: scores and weighted values stay in the small kernel."""
+    return max(2, _SMALL_GEMM // (_KEY_BLOCK * head_dim))
 
 
 def _row_block(n_in: int) -> int:
@@ -248,6 +282,29 @@ class NumpyBackend(GgufLayers):
         """
         return forward_one(self, ForwardItem(cache, position, tokens, hidden, logits, should_stop))
 
+    def export_kv(self, cache: KVCache, start: int, stop: int) -> KVBlock:
+        """A copy of the keys and values of positions ``start..stop-1`` (for the prefix cache)."""
+        if not 0 <= start <= stop <= cache.length:
+            raise ValueError(
+                f"cannot export positions {start}..{stop - 1} of a cache of {cache.length}."
+            )
+        return KVBlock(cache._k[..., start:stop].copy(), cache._v[:, :, start:stop].copy())
+
+    def import_kv(self, cache: KVCache, blocks: Sequence[KVBlock]) -> None:
+        """Fill the empty ``cache`` with ``blocks``, consecutive from position 0."""
+        if cache.length:
+            raise ValueError(f"import_kv needs an empty cache, not one of {cache.length}.")
+        total = sum(block.positions for block in blocks)
+        self._check_position(cache, 0, total)
+        cache._reserve(total)
+        at = 0
+        for block in blocks:
+            end = at + block.positions
+            cache._k[..., at:end] = block.k
+            cache._v[:, :, at:end] = block.v
+            at = end
+        cache.length = total
+
     def forward_batch(self, items: Sequence[ForwardItem]) -> list[F32 | ComputeCancelled]:
         """Several sessions in one pass: rows stacked for the matrices, attention per session.
 
@@ -350,30 +407,72 @@ class NumpyBackend(GgufLayers):
         h += _matmul(act, layer.w_down)
 
     def _attend(self, i: int, item: ForwardItem, qkv: F32) -> F32:
-        """One session's attention in layer ``i``: its new K/V cached, its rows' outputs."""
+        """One session's attention in layer ``i``: its new K/V cached, its rows' outputs.
+
+        Keys go in blocks of `_KEY_BLOCK` (the last one padded and masked), and every sum over
+        keys has a fixed shape: scores and weighted values per block are small gemms with a
+        fixed inner length, a block's softmax mass is a sum of `_KEY_BLOCK` terms, and blocks
+        are added in order (`np.cumsum`). A block past a row's position adds exact zeros. So
+        a row's output depends on its position and the cache, not on how many rows its chunk
+        has nor where the chunk ends: a prompt prefilled in one chunk, in many, or restored
+        from the prefix cache and finished in a chunk of its own, computes bitwise the same.
+        """
         c = self.config
         cache: KVCache = item.cache
         n, hd, n_kv = qkv.shape[0], c.head_dim, c.n_kv_heads
         group, nqk = c.n_heads // n_kv, c.n_heads + n_kv
         pos = item.position
         end = pos + n
-        cache._k[i, :, pos:end] = (
-            qkv[:, c.n_heads * hd : nqk * hd].reshape(n, n_kv, hd).transpose(1, 0, 2)
+        cache._k[i, :, :, pos:end] = (
+            qkv[:, c.n_heads * hd : nqk * hd].reshape(n, n_kv, hd).transpose(1, 2, 0)
         )
         cache._v[i, :, pos:end] = qkv[:, nqk * hd :].reshape(n, n_kv, hd).transpose(1, 0, 2)
+        n_blocks = -(-end // _KEY_BLOCK)
+        span = n_blocks * _KEY_BLOCK
+        keys_t = cache._k[i, :, :, :span].reshape(n_kv, hd, n_blocks, _KEY_BLOCK)
+        keys_t = keys_t.transpose(0, 2, 1, 3)  # [n_kv, blocks, hd, KEY_BLOCK], each plain
+        values = cache._v[i, :, :span].reshape(n_kv, n_blocks, _KEY_BLOCK, hd)
         q = qkv[:, : c.n_heads * hd].reshape(n, n_kv, group, hd)
-        q = q.transpose(1, 2, 0, 3).reshape(n_kv, group * n, hd)  # type: ignore[assignment]
-        s: F32 = q @ cache._k[i, :, :end].transpose(0, 2, 1)  # [n_kv, group*T, L]
-        if n > 1:
-            mask = np.triu(np.full((n, end), -np.inf, np.float32), k=pos + 1)
-            s_view = s.reshape(n_kv, group, n, end)
-            s_view += mask
-        s -= s.max(axis=-1, keepdims=True)
-        np.exp(s, out=s)
-        s /= s.sum(axis=-1, keepdims=True)
-        o = (s @ cache._v[i, :, :end]).reshape(n_kv, group, n, hd).transpose(2, 0, 1, 3)
-        out: F32 = o.reshape(n, c.n_heads * hd)
+        out: F32 = np.empty((n, c.n_heads * hd), np.float32)
+        step = max(1, _attention_rows(hd) // group)
+        for t0 in range(0, n, step):
+            t1 = min(n, t0 + step)
+            out[t0:t1] = self._attend_rows(q[t0:t1], pos + t0, keys_t, values, span)
         return out
+
+    @staticmethod
+    def _attend_rows(q: F32, first: int, keys_t: F32, values: F32, span: int) -> F32:
+        """Attention of the rows ``q`` (``[m, n_kv, group, hd]``, positions from ``first``)."""
+        m, n_kv, group, hd = q.shape
+        # blocks wholly after the last row are masked for every row: they would add zeros
+        n_blocks = (first + m - 1) // _KEY_BLOCK + 1
+        keys_t, values, span = keys_t[:, :n_blocks], values[:, :n_blocks], n_blocks * _KEY_BLOCK
+        rows = q.transpose(1, 2, 0, 3).reshape(n_kv, group * m, hd)
+        pad = rows.shape[1] == 1  # one row would take the gemv path, which sums otherwise
+        if pad:
+            rows = np.concatenate([rows, np.zeros_like(rows)], axis=1)
+        s: F32 = rows[:, None] @ keys_t  # [n_kv, blocks, rows, KEY_BLOCK]
+        if pad:
+            s = s[:, :, :1]
+        # key j is seen by the row at position p iff j <= p
+        allowed = np.arange(span)[None, :] <= np.arange(first, first + m)[:, None]
+        mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        s_view = s.reshape(n_kv, n_blocks, group, m, _KEY_BLOCK)
+        s_view += mask.reshape(m, n_blocks, _KEY_BLOCK).transpose(1, 0, 2)[None, :, None]
+        s -= s.max(axis=(1, 3), keepdims=True)
+        np.exp(s, out=s)
+        mass = np.cumsum(s.sum(axis=-1), axis=1)[:, -1]  # [n_kv, rows]
+        if pad:
+            s = np.concatenate([s, np.zeros_like(s)], axis=2)
+        weighted = s @ values  # [n_kv, blocks, rows, hd]
+        if pad:
+            weighted = weighted[:, :, :1]
+        o = weighted[:, 0].copy()
+        for b in range(1, n_blocks):  # in order: a fixed sum whatever the row count
+            o += weighted[:, b]
+        o /= mass[..., None]
+        result: F32 = o.reshape(n_kv, group, m, hd).transpose(2, 0, 1, 3).reshape(m, -1)
+        return result
 
 
 class _Batch:

@@ -336,6 +336,7 @@ class Metrics:
                 "stagerun_lane_replace_failures_total", "counter",
                 "Replacement lanes that could not be connected.", [({}, pool.replace_failures)],
             )  # fmt: skip
+        _prefix_families(family, health)
         family(
             "stagerun_stage_up",
             "gauge",
@@ -368,6 +369,35 @@ def _tick_families(
     )  # fmt: skip
     hist = Histogram.from_counts(scheduler.batch_sizes, BATCH_BUCKETS)
     out.extend(hist.lines("stagerun_stage0_batch_size", "Forwards (requests) per stage 0 tick."))
+
+
+_PREFIX_FAMILIES = (
+    ("hits", "counter", "Requests that started from at least one cached prefix block."),
+    ("misses", "counter", "Requests that asked for cached prefix blocks and got none."),
+    ("hit_tokens", "counter", "Prompt positions restored from the prefix cache."),
+    ("lookup_tokens", "counter", "Prompt positions asked of the prefix cache."),
+    ("stored_blocks", "counter", "Prefix blocks copied into the cache."),
+    ("evicted_blocks", "counter", "Prefix blocks evicted (least recently used first)."),
+    ("blocks", "gauge", "Prefix blocks the cache holds now (16 positions each)."),
+    ("bytes", "gauge", "Bytes of KV the prefix cache holds now."),
+    ("max_bytes", "gauge", "Bytes of KV the prefix cache may hold (--prefix-cache-mb)."),
+)
+
+
+def _prefix_families(
+    family: Callable[[str, str, str, Iterable[tuple[Mapping[str, str], float]]], None],
+    health: Sequence[StageHealth],
+) -> None:
+    """Each stage's prefix cache counters, from the probes of this scrape."""
+    caches = [(h.stage.index, h.prefix_cache) for h in health if h.prefix_cache is not None]
+    for field, kind, help_text in _PREFIX_FAMILIES:
+        suffix = "_total" if kind == "counter" else ""
+        family(
+            f"stagerun_prefix_cache_{field}{suffix}",
+            kind,
+            help_text + " By stage.",
+            (({"stage": str(index)}, getattr(stats, field)) for index, stats in caches),
+        )
 
 
 def _admission_families(

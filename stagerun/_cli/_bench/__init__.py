@@ -5,7 +5,7 @@ open at the same time and measured in interleaved rounds, and the report gives r
 baseline measured in the same run. The median of the rounds is reported.
 
 One module per family: `._decode` (decode, transport, backends), `._speculative`
-(speculative, timeline), `._prefill` (prefill), `._service` (recovery, load), `._serve`
+(speculative, timeline), `._prefill` (prefill), `._chat` (chat), `._service` (recovery, load), `._serve`
 (serve).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Awaitable, Callable
 
+from ._chat import bench_chat
 from ._decode import bench_backends, bench_decode, bench_transport
 from ._prefill import bench_prefill
 from ._serve import bench_serve
@@ -32,6 +33,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], Awaitable[int]]] = {
     "load": bench_load,
     "serve": bench_serve,
     "prefill": bench_prefill,
+    "chat": bench_chat,
 }
 
 

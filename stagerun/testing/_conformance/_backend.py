@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 
 from ..._errors import ComputeCancelled
+from ..._proto import PREFIX_BLOCK as _BLOCK
+from ...abc import exports_kv
 from ._batch import check_batches
 from ._common import _Check, _checking
 
@@ -150,6 +152,44 @@ class _BackendChecks:
         self.check_should_stop(full, reference)
         self.check_bad_inputs(full, splits)
         self.check_batches(full, splits)
+        if exports_kv(full):
+            self.check_kv_export(full)
+
+    def check_kv_export(self, full: Any) -> None:
+        """A backend that exports KV blocks: chunking changes nothing, and restores continue
+        exactly like the cache they were copied from (`ComputeBackend.export_kv`)."""
+        rng = np.random.default_rng(99)
+        tokens = [int(t) for t in rng.integers(0, self.vocab, 2 * _BLOCK + 9)]
+        n = len(tokens)
+        whole = full.forward(full.new_cache(), 0, tokens=tokens, logits="all")
+        with self.check("a prompt's logits do not depend on its chunks") as check:
+            for chunks in ([n - 1, 1], [5, _BLOCK, n - 5 - _BLOCK], [2 * _BLOCK, n - 2 * _BLOCK]):
+                cache, at, rows = full.new_cache(), 0, []
+                for size in chunks:
+                    rows.append(
+                        full.forward(cache, at, tokens=tokens[at : at + size], logits="all")
+                    )
+                    at += size
+                self.assert_exact(check, np.concatenate(rows), whole, f"chunks {chunks}")
+        with self.check("export_kv and import_kv restore a prefix exactly") as check:
+            source = full.new_cache()
+            full.forward(source, 0, tokens=tokens)
+            blocks = [full.export_kv(source, i * _BLOCK, (i + 1) * _BLOCK) for i in range(2)]
+            if not all(isinstance(getattr(b, "nbytes", None), int) for b in blocks):
+                check.fail("export_kv returned a block without an int nbytes")
+            full.forward(source, 0, tokens=self.other)  # the copies must not follow it
+            restored = full.new_cache()
+            full.import_kv(restored, blocks)
+            if restored.length != 2 * _BLOCK:
+                check.fail(f"import_kv of 2 blocks left the cache length at {restored.length}")
+            out = full.forward(restored, 2 * _BLOCK, tokens=tokens[2 * _BLOCK :], logits="all")
+            self.assert_exact(check, out, whole[2 * _BLOCK :], "the rows after a restore")
+
+    def assert_exact(self, check: _Check, got: Any, want: Any, what: str) -> None:
+        """Bitwise equal, or within ``batch_tolerance`` for a backend that was given one."""
+        error = _relative_error(got, want)
+        if not (np.array_equal(got, want) or error <= self.batch_tolerance):
+            check.fail(f"{what}: logits differ by {error:.3g} (relative) from one whole prefill")
 
     def check_batches(self, full: Any, splits: Sequence[Sequence[tuple[int, int]]]) -> None:
         """The batch checks (`_batch`) on the whole model, and on a later stage of a split."""
@@ -271,7 +311,10 @@ def check_backend(
     batched in two orders, each get the result of their own ``forward`` and leave their cache
     as it would (the next decode step agrees too); and a ``should_stop`` that fires for one
     item mid-batch cancels that item alone (its result the `stagerun.ComputeCancelled`, its
-    cache back at its position) while the others keep their own results.
+    cache back at its position) while the others keep their own results. A backend that
+    exports its KV cache (`stagerun.abc.ComputeBackend.export_kv`) must also compute a prompt
+    the same whatever its chunks, and continue from imported blocks as from the cache they
+    came from.
 
     Args:
         factory: ``factory(model, (lo, hi))`` builds a backend, e.g. the backend class.
