@@ -454,21 +454,26 @@ class NumpyBackend(GgufLayers):
         s: F32 = rows[:, None] @ keys_t  # [n_kv, blocks, rows, KEY_BLOCK]
         if pad:
             s = s[:, :, :1]
-        # key j is seen by the row at position p iff j <= p
-        allowed = np.arange(span)[None, :] <= np.arange(first, first + m)[:, None]
-        mask = np.where(allowed, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        # key j is seen by the row at position p iff j <= p: only the blocks from the first
+        # row's own on hold keys that some row does not see
+        b0 = first // _KEY_BLOCK
+        keys = np.arange(b0 * _KEY_BLOCK, span)
+        mask = np.zeros((m, span - b0 * _KEY_BLOCK), np.float32)
+        mask[keys[None, :] > np.arange(first, first + m)[:, None]] = -np.inf
         s_view = s.reshape(n_kv, n_blocks, group, m, _KEY_BLOCK)
-        s_view += mask.reshape(m, n_blocks, _KEY_BLOCK).transpose(1, 0, 2)[None, :, None]
-        s -= s.max(axis=(1, 3), keepdims=True)
+        tail = mask.reshape(m, n_blocks - b0, _KEY_BLOCK).transpose(1, 0, 2)
+        s_view[:, b0:] += tail[None, :, None]
+        s -= s.max(axis=3, keepdims=True).max(axis=1, keepdims=True)
         np.exp(s, out=s)
-        mass = np.cumsum(s.sum(axis=-1), axis=1)[:, -1]  # [n_kv, rows]
+        per_block = s.sum(axis=-1)  # [n_kv, blocks, rows]
         if pad:
             s = np.concatenate([s, np.zeros_like(s)], axis=2)
         weighted = s @ values  # [n_kv, blocks, rows, hd]
         if pad:
             weighted = weighted[:, :, :1]
-        o = weighted[:, 0].copy()
+        mass, o = per_block[:, 0].copy(), weighted[:, 0].copy()
         for b in range(1, n_blocks):  # in order: a fixed sum whatever the row count
+            mass += per_block[:, b]
             o += weighted[:, b]
         o /= mass[..., None]
         result: F32 = o.reshape(n_kv, group, m, hd).transpose(2, 0, 1, 3).reshape(m, -1)
