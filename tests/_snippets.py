@@ -148,12 +148,20 @@ def stagerun_argv(head: str) -> list[str] | None:
 
 
 def quick_bench(argv: list[str]) -> list[str]:
-    """A `stagerun bench` command with one round of 16 tokens (and a kill after 8 of them),
-    where it takes those options: every option as written is still used, on a run that takes
+    """A `stagerun bench` command with one round of 16 tokens (and a kill after 8 of them;
+    a chat of two turns), where it takes those options: every option as written is still used, on a run that takes
     seconds instead of minutes."""
     taken = vars(build_parser().parse_args(argv))
     argv = list(argv)
-    for option, value in (("--rounds", "1"), ("--tokens", "16"), ("--kill-at", "8")):
+    quick = (
+        ("--rounds", "1"),
+        ("--tokens", "16"),
+        ("--kill-at", "8"),
+        ("--turns", "2"),  # bench chat: two turns over a short system prompt
+        ("--system-tokens", "100"),
+        ("--stagger-ms", "100"),
+    )
+    for option, value in quick:
         if option.removeprefix("--").replace("-", "_") not in taken:
             continue
         if option in argv:

@@ -201,6 +201,8 @@ def _add_chat(bench_sub: _SubParsers) -> None:
     chat.add_argument("--system-tokens", type=int, default=1000,
                       help="tokens of the shared system prompt (default 1000)")  # fmt: skip
     chat.add_argument("--max-tokens", type=int, default=32, help="tokens per answer at most")
+    chat.add_argument("--stagger-ms", type=float, default=0.0, metavar="MS",
+                      help="user c sends its first turn c*MS later (default 0: all at once)")  # fmt: skip
     chat.add_argument("--json", action="store_true")
     _add_pipeline_options(chat)
 

@@ -5,7 +5,8 @@ so without a prefix cache every turn prefills all of it again through every stag
 a turn prefills only what the previous turn did not compute. Two pipelines run side by side
 in one process, one with the cache and one without, turn by turn; with ``--clients N``, N
 users hold their own conversations at once over the same system prompt (a shared prefix
-across requests as well as within each conversation).
+across requests as well as within each conversation). ``--stagger-ms`` has the users arrive
+one after another for their first turn, so later ones find the system prompt cached.
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ class Conversation:
         self.generated = 0
         self._previous: list[int] | None = None
 
-    async def turn(self, pipeline: Pipeline, index: int, max_tokens: int) -> None:
+    async def turn(
+        self, pipeline: Pipeline, index: int, max_tokens: int, delay: float = 0.0
+    ) -> None:
+        await trio.sleep(delay)  # arrives this much later (not counted in its times)
         question = QUESTIONS[(self.first_question + index) % len(QUESTIONS)]
         self.messages.append({"role": "user", "content": question})
         prompt = pipeline.model.apply_chat_template(self.messages)
@@ -107,8 +111,11 @@ async def bench_chat(args: argparse.Namespace) -> int:
             for mode in modes:
                 started = time.perf_counter()
                 async with trio.open_nursery() as nursery:
-                    for talk in talks[mode]:
-                        nursery.start_soon(talk.turn, pipelines[mode], index, args.max_tokens)
+                    for c, talk in enumerate(talks[mode]):
+                        delay = c * args.stagger_ms / 1000.0 if index == 0 else 0.0
+                        nursery.start_soon(
+                            talk.turn, pipelines[mode], index, args.max_tokens, delay
+                        )
                 elapsed[mode] += time.perf_counter() - started
                 ttfts = [talk.ttft_ms[index] for talk in talks[mode]]
                 say(
@@ -168,6 +175,7 @@ def _chat_report(
         "system_tokens": args.system_tokens,
         "max_tokens": args.max_tokens,
         "hop_delay_ms": args.hop_delay_ms,
+        "stagger_ms": args.stagger_ms,
         "results": turns,
         "ttft_later_turns_ms": {"on": round(on_later, 1), "off": round(off_later, 1)},
         "ttft_later_turns_speedup": round(off_later / max(on_later, 1e-9), 2),
