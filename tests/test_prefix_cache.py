@@ -385,3 +385,33 @@ async def test_metrics_and_health_show_each_stage_s_prefix_cache(
         assert samples[f"stagerun_prefix_cache_max_bytes{label}"] == 512 << 20
         assert samples[f"stagerun_prefix_cache_hit_tokens_total{label}"] == cache["hit_tokens"]
     assert stages[0]["prefix_cache"]["misses"] == 1  # the first request found nothing
+
+
+async def test_requests_share_cached_prefixes_only_with_the_same_cache_salt(
+    tiny_model_path: pathlib.Path,
+) -> None:
+    system, asks = _conversation(13, turns=1)
+    prompt = [*system, *asks[0]]
+    async with open_pipeline(tiny_model_path, stages=2) as pipeline:
+
+        async def cached(salt: str | None) -> int:
+            result = await pipeline.complete(prompt, max_tokens=4, cache_salt=salt)
+            return int(result.timings["prefix_cached_tokens"])
+
+        assert await cached("alice") == 0
+        assert await cached("bob") == 0  # alice's blocks are not bob's
+        assert await cached(None) == 0  # nor the pipeline's own
+        assert await cached("alice") > 0
+        assert await cached(None) > 0
+
+
+def test_the_api_takes_a_cache_salt_and_checks_it() -> None:
+    from stagerun.server._openai import ApiError, parse_generation_request
+
+    body = {"model": "m", "prompt": "hi"}
+    assert parse_generation_request(body, "completion").cache_salt is None
+    salted = parse_generation_request({**body, "cache_salt": "tenant-7"}, "completion")
+    assert salted.cache_salt == "tenant-7"
+    for bad in (7, "", "x" * 257):
+        with pytest.raises(ApiError, match="cache_salt"):
+            parse_generation_request({**body, "cache_salt": bad}, "completion")

@@ -18,6 +18,7 @@ Each request is a `stagerun._driver._request.Request`; `Pipeline` holds what req
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 import time
@@ -200,6 +201,7 @@ class Pipeline:
         speculation: SpeculationConfig | None = None,
         drafter: Drafter | None = None,
         label: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[GenerationStream]:
         """Stream a generation: ``async with p.generate(...) as s: async for chunk in s``.
 
@@ -207,7 +209,8 @@ class Pipeline:
         a stop string ends the request cleanly and is not part of the text. Leaving the block
         early cancels the request (its lane is replaced, not reused). ``label`` (the server
         passes the HTTP request id) goes into the request's telemetry summary as
-        ``stagerun.request_label``.
+        ``stagerun.request_label``. Requests share cached prefixes only with requests of the
+        same ``cache_salt`` (None is a salt of its own: the pipeline's).
         """
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         params = sampling or _proto.SamplingParams()
@@ -226,6 +229,7 @@ class Pipeline:
                         speculation=speculation,
                         drafter=drafter,
                         label=label,
+                        cache_salt=cache_salt,
                     )
                 except Exception as exc:  # handed to the consumer, not lost in a group
                     stream.error = exc
@@ -254,6 +258,7 @@ class Pipeline:
         ignore_eog: bool = False,
         speculation: SpeculationConfig | None = None,
         drafter: Drafter | None = None,
+        cache_salt: str | None = None,
     ) -> Completion:
         """Run one request to the end and return its `Completion`.
 
@@ -262,7 +267,7 @@ class Pipeline:
         ``propose``), which turns speculation on.
 
         ``ignore_eog`` keeps generating past end-of-generation tokens (benchmarks use it to
-        produce exactly ``max_tokens``).
+        produce exactly ``max_tokens``). ``cache_salt``: as `generate`'s.
         """
         prompt_ids = self.encode_prompt(prompt, chat=chat)
 
@@ -279,6 +284,7 @@ class Pipeline:
             ignore_eog=ignore_eog,
             speculation=speculation,
             drafter=drafter,
+            cache_salt=cache_salt,
         )
 
     async def _compute0(
@@ -325,7 +331,15 @@ class Pipeline:
     def _new_cache(self) -> Any:
         return self._backend0.new_cache()
 
-    async def _restore_prefix(self, context: Sequence[int]) -> tuple[Any, list[int]]:
+    def _prefix_key(self, cache_salt: str | None) -> bytes:
+        """The key of a request's block names: the pipeline's salt, mixed with the request's."""
+        if cache_salt is None:
+            return self.prefix_salt
+        return hashlib.blake2b(cache_salt.encode(), digest_size=16, key=self.prefix_salt).digest()
+
+    async def _restore_prefix(
+        self, context: Sequence[int], cache_salt: str | None = None
+    ) -> tuple[Any, list[int]]:
         """A new cache for ``context``, started from stage 0's prefix cache.
 
         Returns the cache and the names of the blocks restored into it (to ask the stages
@@ -336,12 +350,16 @@ class Pipeline:
         if prefix is None:
             return cache, []
         names = _proto.prefix_chain(
-            context, self.prefix_salt, blocks=(len(context) - 1) // _proto.PREFIX_BLOCK
+            context,
+            self._prefix_key(cache_salt),
+            blocks=(len(context) - 1) // _proto.PREFIX_BLOCK,
         )
         held = await restore_blocks(prefix, self._backend0, cache, names)
         return cache, names[:held]
 
-    async def _remember_prefix(self, cache: Any, tokens: Sequence[int], length: int) -> list[int]:
+    async def _remember_prefix(
+        self, cache: Any, tokens: Sequence[int], length: int, cache_salt: str | None = None
+    ) -> list[int]:
         """Keep the whole blocks of ``cache``'s first ``length`` positions (``tokens``'s).
 
         Returns their names, for the stages' ``Remember`` (empty with the prefix cache off).
@@ -349,7 +367,8 @@ class Pipeline:
         prefix = self.prefix_cache
         if prefix is None:
             return []
-        names = _proto.prefix_chain(tokens[: min(length, cache.length)], self.prefix_salt)
+        key = self._prefix_key(cache_salt)
+        names = _proto.prefix_chain(tokens[: min(length, cache.length)], key)
         await keep_blocks(prefix, self._backend0, cache, names)
         return names
 

@@ -75,10 +75,12 @@ class StageZero(Protocol):
 
     def _new_cache(self) -> Any: ...
 
-    async def _restore_prefix(self, context: Sequence[int]) -> tuple[Any, list[int]]: ...
+    async def _restore_prefix(
+        self, context: Sequence[int], cache_salt: str | None = None
+    ) -> tuple[Any, list[int]]: ...
 
     async def _remember_prefix(
-        self, cache: Any, tokens: Sequence[int], length: int
+        self, cache: Any, tokens: Sequence[int], length: int, cache_salt: str | None = None
     ) -> list[int]: ...
 
     def _make_drafter(self, config: SpeculationConfig) -> Drafter: ...
@@ -120,6 +122,7 @@ class Request:
         speculation: SpeculationConfig | None = None,
         drafter: Drafter | None = None,
         label: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -141,6 +144,7 @@ class Request:
         self.sampling = sampling
         self.emit = emit
         self.label = label
+        self.cache_salt = cache_salt  # shares cached prefixes only with the same salt
         self.speculation = config
         self.drafter = drafter
         self.eog = frozenset[int]() if ignore_eog else pipeline.model.config.eog_ids
@@ -239,7 +243,7 @@ class Request:
         restarted, or evicted some, holds less), and the prefill starts there. Then the
         context's blocks are remembered on every stage for later requests.
         """
-        self.cache, names = await self.pipeline._restore_prefix(context)
+        self.cache, names = await self.pipeline._restore_prefix(context, self.cache_salt)
         if isinstance(lane, LocalLane):  # one compute of the rest of the prompt, as alone
             start = len(names) * _proto.PREFIX_BLOCK
             logits = await self.pipeline._compute0(
@@ -314,7 +318,7 @@ class Request:
         if tokens is None:
             tokens = replay_context(self.prompt_ids, self.generated)
             length = len(tokens) - 1
-        names = await self.pipeline._remember_prefix(self.cache, tokens, length)
+        names = await self.pipeline._remember_prefix(self.cache, tokens, length, self.cache_salt)
         if names and isinstance(lane, Lane):
             await lane.send(_proto.Remember(request_id=self.request_id, prefix=tuple(names)))
 

@@ -201,6 +201,7 @@ class GenerationResponse(Response):
                 sampling=self.sampling,
                 stop=self.shape.request.stop,
                 label=self.label,
+                cache_salt=self.shape.request.cache_salt,
             ) as stream:
                 async for chunk in stream:
                     if on_text is not None and chunk.text:

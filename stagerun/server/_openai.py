@@ -127,6 +127,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    cache_salt: str | None = None
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -236,7 +237,23 @@ def parse_generation_request(
         stop=_stop(data.get("stop")),
         stream=bool(stream),
         include_usage=include_usage,
+        cache_salt=_cache_salt(data.get("cache_salt")),
     )
+
+
+MAX_CACHE_SALT = 256
+
+
+def _cache_salt(value: Any) -> str | None:
+    """vLLM's ``cache_salt``: requests share cached prefixes only with the same salt."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_CACHE_SALT:
+        raise invalid(
+            f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT} characters",
+            "cache_salt",
+        )
+    return _text(value, "cache_salt")
 
 
 def _required(data: Mapping[str, Any], name: str) -> Any:
