@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
+from .._errors import UnsupportedModelError
 from ..model import ModelConfig, ModelFile, open_model
 
 __all__ = ["GgufLayers"]
@@ -20,6 +22,8 @@ class GgufLayers:
     model: ModelFile
     _lo: int
     _hi: int
+    families: ClassVar[frozenset[str] | None] = None
+    """The model families (`stagerun.model.Family`) the backend runs; None: every one."""
 
     def _open_layers(
         self,
@@ -31,10 +35,18 @@ class GgufLayers:
 
         Raises:
             LayerRangeError: the range is not a non-empty part of the model's blocks.
+            UnsupportedModelError: the backend does not run the model's family.
             ValueError: ``threads`` below 1.
         """
         self.model = model if isinstance(model, ModelFile) else open_model(model)
         config = self.model.config
+        family = config.family.name
+        if self.families is not None and family not in self.families:
+            raise UnsupportedModelError(
+                f"the {type(self).__name__} runs {', '.join(sorted(self.families))} models; "
+                f"{self.model.path.name} is a {family} model: run its stages on a backend "
+                "that runs it (numpy does)"
+            )
         lo, hi = layers if layers is not None else (0, config.n_layers)
         self.model.check_layers(lo, hi)
         if threads is not None and threads < 1:

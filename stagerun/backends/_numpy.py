@@ -132,10 +132,20 @@ class KVBlock:
 class _Layer:
     """One block, packed for speed (see the module docstring)."""
 
-    __slots__ = ("w_down", "w_gu", "w_o", "w_qkv")
+    __slots__ = ("k_norm", "q_norm", "qkv_bias", "w_down", "w_gu", "w_o", "w_qkv")
 
-    def __init__(self, w_qkv: _Panels, w_o: _Panels, w_gu: _Panels, w_down: _Panels) -> None:
+    def __init__(
+        self,
+        w_qkv: _Panels,
+        w_o: _Panels,
+        w_gu: _Panels,
+        w_down: _Panels,
+        qkv_bias: F32 | None = None,
+        q_norm: F32 | None = None,
+        k_norm: F32 | None = None,
+    ) -> None:
         self.w_qkv, self.w_o, self.w_gu, self.w_down = w_qkv, w_o, w_gu, w_down
+        self.qkv_bias, self.q_norm, self.k_norm = qkv_bias, q_norm, k_norm
 
 
 class _Panels:
@@ -240,7 +250,15 @@ class NumpyBackend(GgufLayers):
 
     def _pack_layer(self, lw: LayerWeights) -> _Layer:
         f = fuse_layer(lw, self.config)
-        return _Layer(_panels(f.qkv), _panels(f.wo), _panels(f.gate_up), _panels(f.down))
+        return _Layer(
+            _panels(f.qkv),
+            _panels(f.wo),
+            _panels(f.gate_up),
+            _panels(f.down),
+            f.qkv_bias,
+            f.q_norm,
+            f.k_norm,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -389,6 +407,11 @@ class NumpyBackend(GgufLayers):
         h, hd = batch.h, c.head_dim
         qkv = _matmul(self._norm(h), layer.w_qkv)  # [R, (n_heads + 2 n_kv) hd]
         nqk = c.n_heads + c.n_kv_heads
+        if layer.qkv_bias is not None:
+            qkv += layer.qkv_bias
+        if layer.q_norm is not None and layer.k_norm is not None:
+            heads = qkv[:, : nqk * hd].reshape(h.shape[0], nqk, hd)
+            self._head_norms(heads, layer.q_norm, layer.k_norm)
         qk = qkv[:, : nqk * hd].reshape(h.shape[0], nqk, 2, hd // 2)
         rot = qk[:, :, ::-1] * batch.sin
         qk *= batch.cos
@@ -405,6 +428,17 @@ class NumpyBackend(GgufLayers):
         np.divide(g, act, out=act)
         act *= u
         h += _matmul(act, layer.w_down)
+
+    def _head_norms(self, qk: F32, q_norm: F32, k_norm: F32) -> None:
+        """RMS-normalize each head's query and key rows in place (``[R, heads, hd]``)."""
+        r = np.einsum("rhd,rhd->rh", qk, qk)
+        r *= np.float32(1.0 / qk.shape[2])
+        r += self._eps
+        np.sqrt(r, out=r)
+        qk /= r[:, :, None]
+        n_heads = self.config.n_heads
+        qk[:, :n_heads] *= q_norm
+        qk[:, n_heads:] *= k_norm
 
     def _attend(self, i: int, item: ForwardItem, qkv: F32) -> F32:
         """One session's attention in layer ``i``: its new K/V cached, its rows' outputs.

@@ -3,6 +3,8 @@
 from ._chat import CHATML_TEMPLATE as CHATML_TEMPLATE
 from ._chat import ChatTemplateError as ChatTemplateError
 from ._chat import render_chat as render_chat
+from ._families import FAMILIES as FAMILIES
+from ._families import Family as Family
 from ._fused import FusedLayer as FusedLayer
 from ._fused import fuse_layer as fuse_layer
 from ._fused import qk_row_order as qk_row_order

@@ -43,6 +43,9 @@ class FusedLayer:
     down: F32
     attn_norm: F32
     ffn_norm: F32
+    qkv_bias: F32 | None = None  # qwen2: ``[b_q; b_k; b_v]``, in the rows' order and scale
+    q_norm: F32 | None = None  # qwen3: the per-head RMSNorm gains, the attention scale in q's
+    k_norm: F32 | None = None
 
 
 def qk_row_order(config: ModelConfig, heads: int) -> npt.NDArray[np.intp]:
@@ -54,11 +57,30 @@ def qk_row_order(config: ModelConfig, heads: int) -> npt.NDArray[np.intp]:
 
 
 def fuse_layer(lw: LayerWeights, config: ModelConfig, *, fold_norms: bool = True) -> FusedLayer:
-    """Fuse, reorder and scale one block's weights (see the module docstring)."""
+    """Fuse, reorder and scale one block's weights (see the module docstring).
+
+    A family whose file keeps the halves order (``rope_interleaved`` False: Qwen) is not
+    reordered. With query and key norms (Qwen3) the attention scale goes into the query
+    norm's gains, since the norm would undo it in W_q.
+    """
+    family = config.family
     scale = np.float32(1.0 / np.sqrt(config.head_dim))
-    wq = lw.wq[qk_row_order(config, config.n_heads)] * scale
-    wk = lw.wk[qk_row_order(config, config.n_kv_heads)]
+    q_rows = k_rows = slice(None)
+    if family.rope_interleaved:
+        q_rows = qk_row_order(config, config.n_heads)  # type: ignore[assignment]
+        k_rows = qk_row_order(config, config.n_kv_heads)  # type: ignore[assignment]
+    q_scale = np.float32(1.0) if family.qk_norm else scale
+    wq = lw.wq[q_rows] * q_scale
+    wk = lw.wk[k_rows]
     qkv = np.concatenate([wq, wk, lw.wv])
+    bias = None
+    if lw.bq is not None and lw.bk is not None and lw.bv is not None:
+        bias = np.concatenate([lw.bq[q_rows] * q_scale, lw.bk[k_rows], lw.bv])
+    q_norm = k_norm = None
+    if lw.q_norm is not None and lw.k_norm is not None:
+        within = qk_row_order(config, 1) if family.rope_interleaved else slice(None)
+        q_norm = (lw.q_norm[within] * scale).astype(np.float32)
+        k_norm = lw.k_norm[within].astype(np.float32)
     gate_up = np.concatenate([lw.w_gate, lw.w_up])
     if fold_norms:
         qkv *= lw.attn_norm[None, :]
@@ -70,4 +92,7 @@ def fuse_layer(lw: LayerWeights, config: ModelConfig, *, fold_norms: bool = True
         down=lw.w_down,
         attn_norm=lw.attn_norm,
         ffn_norm=lw.ffn_norm,
+        qkv_bias=None if bias is None else bias.astype(np.float32),
+        q_norm=q_norm,
+        k_norm=k_norm,
     )

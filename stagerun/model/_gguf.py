@@ -1,8 +1,9 @@
-"""Reading a llama GGUF file: its shape, its tokenizer, and one stage's weights.
+"""Reading a GGUF file of a known family: its shape, its tokenizer, and one stage's weights.
 
 Theory of operation: ``open_model`` memory-maps the file with ``gguf.GGUFReader`` (which parses
 every key and tensor header up front, about 2 s for the default model because of its 49k-entry
-vocabulary) and checks that it is a llama model whose tensors ``gguf.quants`` can dequantize.
+vocabulary) and checks that it is a model of a known family (`stagerun.model._families`:
+llama, qwen2, qwen3) whose tensors ``gguf.quants`` can dequantize.
 Before that, `check_gguf_header` walks the header once, cheaply, and refuses counts and lengths
 the file cannot hold or that pass the ``MAX_GGUF_*`` bounds: the reader spends ~1 KiB and ~12 us
 on every array item, so a hostile 50-byte file announcing millions of them would cost seconds
@@ -30,6 +31,7 @@ import numpy.typing as npt
 
 from .._errors import LayerRangeError, ModelError, UnsupportedModelError
 from ._chat import CHATML_TEMPLATE, render_chat
+from ._families import FAMILIES, Family
 from ._resolve import resolve_model
 from ._tokenizer import Tokenizer, eog_ids_from_vocab
 
@@ -44,7 +46,7 @@ __all__ = [
 
 F32 = npt.NDArray[np.float32]
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # Bounds on a GGUF header, checked before gguf.GGUFReader walks it: the reader builds numpy
 # objects for every array item (~12 us and ~1 KiB each), so a few bytes announcing a long array
@@ -83,6 +85,7 @@ class ModelConfig:
     bos_id: int | None
     eos_id: int | None
     eog_ids: frozenset[int]
+    family: Family = FAMILIES["llama"]  # the block layout (`stagerun.model._families`)
 
 
 @attrs.frozen(eq=False)
@@ -98,6 +101,11 @@ class LayerWeights:
     w_gate: F32
     w_up: F32
     w_down: F32
+    bq: F32 | None = None  # the family's extras (`Family.extra_tensors`), in that order
+    bk: F32 | None = None
+    bv: F32 | None = None
+    q_norm: F32 | None = None
+    k_norm: F32 | None = None
 
 
 @attrs.frozen(eq=False)
@@ -208,17 +216,19 @@ class ModelFile:
             bos_id=None if bos is None else int(bos),
             eos_id=None if eos is None else int(eos),
             eog_ids=eog_ids_from_vocab(tokens, [eos, *extra]),
+            family=FAMILIES[arch],
         )
 
     def _check_tensors(self) -> None:
         c = self.config
         names = ["token_embd.weight", "output_norm.weight"]
         names += [f"blk.{i}.{t}.weight" for i in range(c.n_layers) for t in _LAYER_TENSORS]
+        names += [f"blk.{i}.{t}" for i in range(c.n_layers) for t in c.family.extra_tensors()]
         missing = [n for n in names if n not in self._tensors]
         if missing:
             raise ModelError(
-                f"{self.path.name} lacks {len(missing)} tensors the llama layout needs "
-                f"(first: {missing[0]!r})."
+                f"{self.path.name} lacks {len(missing)} tensors the {c.family.name} layout "
+                f"needs (first: {missing[0]!r})."
             )
         known = getattr(gguf.quants, "_type_traits", None)
         if known is None:  # gguf changed its internals: leave the check to load time
@@ -327,11 +337,21 @@ class ModelFile:
             loaded.append(name)
             return self._tensor(name)
 
-        layers = tuple(
-            LayerWeights(*(get(f"blk.{i}.{t}.weight") for t in _LAYER_TENSORS))
-            for i in range(lo, hi)
-            if blocks
-        )
+        family = self.config.family
+
+        def block(i: int) -> LayerWeights:
+            weights = [get(f"blk.{i}.{t}.weight") for t in _LAYER_TENSORS]
+            extras = {t: get(f"blk.{i}.{t}") for t in family.extra_tensors()}
+            return attrs.evolve(
+                LayerWeights(*weights),
+                bq=extras.get("attn_q.bias"),
+                bk=extras.get("attn_k.bias"),
+                bv=extras.get("attn_v.bias"),
+                q_norm=extras.get("attn_q_norm.weight"),
+                k_norm=extras.get("attn_k_norm.weight"),
+            )
+
+        layers = tuple(block(i) for i in range(lo, hi) if blocks)
         tied = self.config.tied_output
         embd = get("token_embd.weight") if embeddings or (head and tied) else None
         output: F32 | None = None

@@ -37,7 +37,9 @@ import numpy.typing as npt
 from ..model._chat import CHATML_TEMPLATE
 from ..model._tokenizer import bytes_to_unicode
 
-__all__ = ["TINY_MERGES", "TINY_SPECIAL_TOKENS", "write_tiny_model"]
+__all__ = ["TINY_FAMILIES", "TINY_MERGES", "TINY_SPECIAL_TOKENS", "write_tiny_model"]
+
+TINY_FAMILIES = ("llama", "qwen2", "qwen3")
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_MERGES = (
@@ -58,6 +60,7 @@ def write_tiny_model(
     seed: int = 0,
     tied_output: bool = True,
     architecture: str = "llama",
+    family: str = "llama",
     context_length: int = 512,
     weights: str = "F32",
     embedding_std: float = 0.05,
@@ -72,6 +75,9 @@ def write_tiny_model(
             SmolLM2; False writes a separate head.
         architecture: ``general.architecture``; anything but ``llama`` makes a file that
             ``open_model`` must refuse (for tests).
+        family: the model family whose layout the file has: ``llama``, ``qwen2`` (attention
+            biases) or ``qwen3`` (RMSNorms of queries and keys); it is then the file's
+            architecture.
         weights: the GGML type of the block matrices: ``F32`` (default), or a type
             ``gguf.quants`` can quantize (``Q4_0``, ``Q4_1``, ``Q8_0``...) for backends that
             read the blocks as stored. Norms and embeddings stay F32.
@@ -84,7 +90,9 @@ def write_tiny_model(
     qtype = _block_type(weights, d_model=d_model, d_ff=d_ff, n_heads=n_heads, n_kv_heads=n_kv_heads)
     path = pathlib.Path(path)
     tokens, token_types = _tiny_vocabulary()
-    writer = gguf.GGUFWriter(path, architecture)
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(TINY_FAMILIES)}")
+    writer = gguf.GGUFWriter(path, architecture if family == "llama" else family)
     _add_hyperparameters(
         writer,
         qtype,
@@ -96,6 +104,7 @@ def write_tiny_model(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         vocab=len(tokens),
+        family=family,
     )
     _add_tokenizer(writer, tokens, token_types)
     _add_weights(
@@ -112,6 +121,7 @@ def write_tiny_model(
         embedding_std=embedding_std,
         attention_gain=attention_gain,
         logit_scale=logit_scale,
+        family=family,
     )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -156,9 +166,10 @@ def _add_hyperparameters(
     n_heads: int,
     n_kv_heads: int,
     vocab: int,
+    family: str = "llama",
 ) -> None:
-    """The model's name, file type and llama shape keys."""
-    writer.add_name("tiny-random-llama")
+    """The model's name, file type and shape keys (the family's, as ``general.architecture``)."""
+    writer.add_name(f"tiny-random-{family}")
     file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{weights}"
     if file_type in gguf.LlamaFileType.__members__:
         writer.add_file_type(gguf.LlamaFileType[file_type])
@@ -172,6 +183,9 @@ def _add_hyperparameters(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(d_model // n_heads)
     writer.add_vocab_size(vocab)
+    if family != "llama":  # transformers reads Qwen's head size from these, not from the width
+        writer.add_key_length(d_model // n_heads)
+        writer.add_value_length(d_model // n_heads)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokens: list[str], token_types: list[int]) -> None:
@@ -202,8 +216,13 @@ def _add_weights(
     embedding_std: float,
     attention_gain: float,
     logit_scale: float,
+    family: str = "llama",
 ) -> None:
-    """Seeded random tensors, drawn in file order: F32 norms and embeddings, ``qtype`` blocks."""
+    """Seeded random tensors, drawn in file order: F32 norms and embeddings, ``qtype`` blocks.
+
+    A family's own tensors (qwen2's biases, qwen3's query and key norms) are drawn where the
+    file holds them, so a llama file is the same whatever families exist.
+    """
     head_dim = d_model // n_heads
     rng = np.random.default_rng(seed)
 
@@ -226,6 +245,13 @@ def _add_weights(
         add_matrix(f"blk.{i}.attn_q.weight", attention_gain * matrix(n_heads * head_dim, d_model))
         add_matrix(f"blk.{i}.attn_k.weight", matrix(n_kv_heads * head_dim, d_model))
         add_matrix(f"blk.{i}.attn_v.weight", matrix(n_kv_heads * head_dim, d_model))
+        if family == "qwen2":
+            for name, rows in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
+                bias = 0.1 * rng.standard_normal(rows * head_dim)
+                writer.add_tensor(f"blk.{i}.attn_{name}.bias", bias.astype(np.float32))
+        if family == "qwen3":
+            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", attention_gain * gain(head_dim))
+            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", gain(head_dim))
         add_matrix(f"blk.{i}.attn_output.weight", matrix(d_model, n_heads * head_dim))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", gain(d_model))
         add_matrix(f"blk.{i}.ffn_gate.weight", matrix(d_ff, d_model))

@@ -134,6 +134,8 @@ class TorchBackend(GgufLayers, ComputeBackend):
 
     default_weights: ClassVar[str] = "float"
 
+    families: ClassVar[frozenset[str] | None] = frozenset({"llama"})  # no biases, q/k norms yet
+
     def __init__(
         self,
         model: ModelFile | str | os.PathLike[str],
