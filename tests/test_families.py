@@ -136,3 +136,27 @@ def test_an_unknown_family_is_refused_by_name(tmp_path: pathlib.Path) -> None:
     path = write_tiny_model(tmp_path / "n.gguf", architecture="gpt2")
     with pytest.raises(UnsupportedModelError, match="llama, qwen2, qwen3"):
         open_model(path)
+
+
+def test_a_sliding_window_is_refused_until_it_is_supported(tmp_path: pathlib.Path) -> None:
+    import gguf
+
+    """A Mistral file is a llama file; one that declares a window would be computed wrong."""
+    path = write_tiny_model(tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(tmp_path / "window.gguf", "llama")
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    writer.add_sliding_window(128)
+    for tensor in reader.tensors:
+        writer.add_tensor(
+            tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModelError, match="sliding-window attention \\(128 of 512"):
+        open_model(tmp_path / "window.gguf")

@@ -10,6 +10,9 @@ built-in ones differ from llama in three traits so far:
 * ``qk_norm``: Qwen3 RMS-normalizes each head's query and key over ``head_dim`` before RoPE
   (``attn_q_norm.weight``, ``attn_k_norm.weight``).
 
+Mistral's files are ``llama`` files (llama.cpp and gguf-py know no ``mistral`` architecture);
+a file that declares a sliding window is refused until windows are supported.
+
 The backends read a model's traits from its `stagerun.model.ModelConfig`; a backend that does
 not run a trait refuses the model by name.
 """

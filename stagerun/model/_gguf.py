@@ -191,6 +191,13 @@ class ModelFile:
             raise UnsupportedModelError(
                 f"{self.path.name} uses partial or scaled RoPE, which stagerun does not support."
             )
+        context = int(self._get(f"{arch}.context_length", 2048))
+        window = int(self._get(f"{arch}.attention.sliding_window", 0) or 0)
+        if 0 < window < context:
+            raise UnsupportedModelError(
+                f"{self.path.name} uses sliding-window attention ({window} of {context} "
+                "positions), which stagerun does not support yet."
+            )
         tokens = self._get("tokenizer.ggml.tokens", [])
         embd = self._tensors.get("token_embd.weight")
         vocab = self._get(
@@ -211,7 +218,7 @@ class ModelFile:
             vocab_size=int(vocab),
             rope_base=float(self._get(f"{arch}.rope.freq_base", 10000.0)),
             rms_eps=float(self._get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            context_length=int(self._get(f"{arch}.context_length", 2048)),
+            context_length=context,
             tied_output="output.weight" not in self._tensors,
             bos_id=None if bos is None else int(bos),
             eos_id=None if eos is None else int(eos),
