@@ -1,11 +1,13 @@
-"""The plugin registry: transports, compute backends and drafters found through entry points.
+"""The plugin registry: transports, backends, drafters and model families from entry points.
 
 Theory of operation: every plugin, stagerun's own included, is an entry point of an installed
-distribution in one of three groups: ``stagerun.transports``, ``stagerun.backends`` and
-``stagerun.drafters``. The registry lists them once per process (`installed`) without
-importing anything; a plugin is imported the first time it is asked for, then validated
-against its interface in `stagerun.abc` (the members it must have, coroutine or plain
-functions as required, and the parameters stagerun passes). Whatever goes wrong, an import
+distribution in one of four groups: ``stagerun.transports``, ``stagerun.backends``,
+``stagerun.drafters`` and ``stagerun.architectures`` (model families, named by the
+``general.architecture`` of the GGUF files they read). The registry lists them once per
+process (`installed`) without importing anything; a plugin is imported the first time it is
+asked for, then validated against its interface in `stagerun.abc` (the members it must have,
+coroutine or plain functions as required, and the parameters stagerun passes) or, for a
+family, `stagerun.model.Family`. Whatever goes wrong, an import
 error, a missing method, two distributions claiming one name, becomes a `PluginError` that
 names the plugin, its distribution and the problem, raised when that plugin is asked for and
 listed by ``stagerun plugins``; other plugins keep working. A third-party plugin that takes a
@@ -42,6 +44,7 @@ __all__ = [
     "backend",
     "build_backend",
     "drafter",
+    "family",
     "installed",
     "names",
     "refresh",
@@ -50,13 +53,19 @@ __all__ = [
     "transport_for",
 ]
 
-Kind: TypeAlias = Literal["transports", "backends", "drafters"]
+Kind: TypeAlias = Literal["transports", "backends", "drafters", "architectures"]
 GROUPS: dict[Kind, str] = {
     "transports": "stagerun.transports",
     "backends": "stagerun.backends",
     "drafters": "stagerun.drafters",
+    "architectures": "stagerun.architectures",
 }
-_SINGULAR = {"transports": "transport", "backends": "backend", "drafters": "drafter"}
+_SINGULAR = {
+    "transports": "transport",
+    "backends": "backend",
+    "drafters": "drafter",
+    "architectures": "architecture",
+}
 ENV = "STAGERUN_PLUGINS"
 
 log = logging.getLogger("stagerun.plugins")
@@ -71,7 +80,7 @@ class PluginInfo:
     """One registered plugin and what became of it.
 
     Attributes:
-        kind: ``transports``, ``backends`` or ``drafters``.
+        kind: ``transports``, ``backends``, ``drafters`` or ``architectures``.
         name: the entry point's name, the name users choose it by.
         value: ``module:attribute`` as registered.
         distribution: the distribution (package) that registered it, with its version.
@@ -249,7 +258,9 @@ def names(kind: Kind) -> list[str]:
     return [i.name for i in installed(kind) if i.status in ("available", "loaded")]
 
 
-def _load(kind: Kind, name: str) -> PluginInfo:
+def _load(
+    kind: Kind, name: str, validate: Callable[[Any, str], tuple[Any, list[str]]] | None = None
+) -> PluginInfo:
     plugins = _discover()[kind]
     info = plugins.get(name)
     if info is None:
@@ -266,7 +277,10 @@ def _load(kind: Kind, name: str) -> PluginInfo:
         info.status = "broken"
         info.problem = f"importing it failed: {type(exc).__name__}: {exc}"
         raise PluginError(f"{info.describe()} is unusable: {info.problem}") from exc
-    problems = _VALIDATORS[kind](obj)
+    if validate is not None:  # the kind's owner makes and checks it (model families)
+        obj, problems = validate(obj, name)
+    else:
+        problems = _VALIDATORS[kind](obj)
     if problems:
         info.status = "broken"
         info.problem = "; ".join(problems)
@@ -357,6 +371,17 @@ def takes_device(name: str) -> bool:
 def drafter(name: str) -> Any:
     """The drafter class registered as ``name`` (``ngram``, ``draft-model``, ...)."""
     return _load("drafters", name).obj
+
+
+def family(name: str) -> Any:
+    """The model family (`stagerun.model.Family`) registered for architecture ``name``.
+
+    The entry point's object is a ``Family`` or a callable returning one, named ``name``
+    (`stagerun.model.make_family` checks it: the model package owns the type).
+    """
+    from .model._families import make_family  # the model package imports this one lazily
+
+    return _load("architectures", name, make_family).obj
 
 
 # --- validation --------------------------------------------------------------------------------

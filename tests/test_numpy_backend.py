@@ -233,7 +233,7 @@ def test_everything_is_float32(tiny: NumpyBackend) -> None:
             array = getattr(layer, name).data
             assert array.dtype == np.float32 and array.flags.c_contiguous
     assert tiny._head is not None and tiny._head.data.dtype == np.float32
-    assert tiny._cos.dtype == tiny._sin.dtype == np.float32
+    assert all(r.cos.dtype == r.sin.dtype == np.float32 for r in tiny._ropes)
     cache = tiny.new_cache()
     for tokens in ([1, 2, 3], np.array([4], dtype=np.int64), (5, 6)):
         out = tiny.forward(cache, cache.length, tokens=tokens)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -21,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 import trio
+from _live_server import LiveServer
 from _processes import running
 
 from stagerun import SamplingParams, open_pipeline
@@ -32,57 +31,6 @@ from stagerun.transports import parse_address
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TIMING_KEYS = {"prompt_n", "prompt_ms", "predicted_n", "predicted_ms", "predicted_per_second"}
-
-
-class LiveServer:
-    """A ``stagerun serve --port 0`` child process and the URL it printed."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.log = log
-        self._log_file = log.open("wb")
-        cmd = [sys.executable, "-m", "stagerun", "serve", "--port", "0", *args]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self._log_file, env={**os.environ, **(env or {})}
-        )
-        self.url = ""
-        self.line = ""
-
-    def wait_ready(self, timeout: float = 120.0) -> str:
-        if self.line:
-            return self.line
-        assert self.proc.stdout is not None
-        fd, buf, deadline = self.proc.stdout.fileno(), b"", time.monotonic() + timeout
-        while b"\n" not in buf:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            assert ready, f"no URL line within {timeout}s; log: {self.log.read_text()}"
-            data = os.read(fd, 4096)
-            assert data, f"server exited ({self.proc.wait()}); log: {self.log.read_text()}"
-            buf += data
-        self.line = buf.decode().splitlines()[0]
-        self.url = self.line.split("listening on ", 1)[1].split(" ", 1)[0]
-        return self.line
-
-    def health(self) -> httpx.Response:
-        return httpx.get(self.url + "/health", timeout=10)
-
-    def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0)
-
-    def stop(self, sig: int = signal.SIGINT) -> tuple[int, bytes]:
-        """Signal the server, wait for it, and return (exit code, the rest of its stdout)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            code = self.proc.wait(timeout=30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-        assert self.proc.stdout is not None
-        rest = self.proc.stdout.read()
-        self.proc.stdout.close()
-        self._log_file.close()
-        return code, rest
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -143,12 +144,30 @@ def test_template_helpers_and_errors() -> None:
         render_chat("{{ ''.__class__.__mro__ }}", [], bos_token="", eos_token="")
 
 
-def test_missing_template_falls_back_to_chatml(tiny_model_path: pathlib.Path) -> None:
+def test_a_model_without_a_template_refuses_chat_unless_given_one(
+    tiny_model_path: pathlib.Path,
+) -> None:
     model = open_model(tiny_model_path)
-    model.chat_template = None
-    ids = model.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert model.tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert ids[0] == 1 and ids.count(2) == 1
+    own = model.chat_template
+    model.chat_template = None  # a base model's file, like Gemma 3 270M's
+    try:
+        with pytest.raises(ChatTemplateError, match=r"has no chat template.*--chat-template"):
+            model.apply_chat_template([{"role": "user", "content": "hi"}])
+        ids = model.apply_chat_template([{"role": "user", "content": "hi"}], template=own)
+        assert model.tokenizer.decode(ids) == (
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert ids[0] == 1 and ids.count(2) == 1
+        family = model.config.family
+        model.config = attrs.evolve(
+            model.config, family=attrs.evolve(family, chat_template="{{ messages[0]['content'] }}!")
+        )
+        try:  # a family's template stands in for the file's
+            assert model.render_chat([{"role": "user", "content": "hi"}]) == "hi!"
+        finally:
+            model.config = attrs.evolve(model.config, family=family)
+    finally:
+        model.chat_template = own
 
 
 # -- the default model -----------------------------------------------------------------------

@@ -44,6 +44,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> PipelineConf
         "supervision": supervision,
         "prefix_cache": get("prefix_cache", "on") == "on",
         "prefix_cache_mb": get("prefix_cache_mb", DEFAULT_PREFIX_CACHE_MB),
+        "chat_template": get("chat_template"),
     }
     if isinstance(get("stages"), int):
         settings["stages"] = get("stages")

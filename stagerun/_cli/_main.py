@@ -241,7 +241,7 @@ def _plugins(args: argparse.Namespace) -> int:
     infos = plugins.installed()
     if args.load:
         loaders = {"transports": plugins.transport, "backends": plugins.backend,
-                   "drafters": plugins.drafter}  # fmt: skip
+                   "drafters": plugins.drafter, "architectures": plugins.family}  # fmt: skip
         for info in infos:
             if info.status == "available":
                 with contextlib.suppress(plugins.PluginError):

@@ -21,6 +21,7 @@ from ._pipeline_options import (
     _add_pipeline_options,
     _link_options,
     _plugin_options,
+    chat_template_option,
     prefix_cache_options,
 )
 
@@ -386,8 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--model",
         default=None,
-        help="model name or GGUF path (default: smollm2, or the topology's)",
+        help="model name (smollm2, gemma3-270m) or GGUF path (default: smollm2, or the topology's)",
     )
+    chat_template_option(serve)
     serve.add_argument("--stages", type=int, default=3, help="local stages to start (default 3)")
     serve.add_argument("--topology", default=None, help="join the remote stages of a TOML file")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")

@@ -9,9 +9,15 @@ import argparse
 
 from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB
 
+MAX_TEMPLATE_BYTES = 1 << 20  # real templates are 1-10 kB
+
 
 def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="model name or GGUF path (default: smollm2)")
+    p.add_argument(
+        "--model", default="smollm2",
+        help="model name (smollm2, gemma3-270m) or GGUF path (default: smollm2)",
+    )  # fmt: skip
+    chat_template_option(p)
     p.add_argument("--threads", type=int, default=None, help="compute threads per stage")
     p.add_argument(
         "--inproc",
@@ -25,6 +31,32 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
         help="activation dtype on lanes",
     )
     _plugin_options(p)
+
+
+def chat_template_option(p: argparse.ArgumentParser) -> None:
+    """``--chat-template FILE``: the Jinja template of chat prompts, in place of the model's."""
+    p.add_argument(
+        "--chat-template", type=_template_file, default=None, metavar="FILE",
+        help="a Jinja chat template for chat prompts, in place of the model's (a model "
+        "without one, like the base gemma3-270m, refuses chat prompts)",
+    )  # fmt: skip
+
+
+def _template_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read(MAX_TEMPLATE_BYTES + 1)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read the chat template {path!r}: {exc}") from None
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"the chat template {path!r} is not UTF-8 text") from None
+    if len(text) > MAX_TEMPLATE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"the chat template {path!r} is over {MAX_TEMPLATE_BYTES} characters"
+        )
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"the chat template {path!r} is empty")
+    return text
 
 
 def _transport_list(text: str) -> tuple[str, ...]:

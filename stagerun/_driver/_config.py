@@ -227,6 +227,8 @@ class PipelineConfig:
             default; a backend without `ComputeBackend.export_kv` keeps none).
         prefix_cache_mb: MiB of KV blocks each stage started here, and stage 0, may cache;
             running requests take KV room back from it whenever they need it.
+        chat_template: a Jinja chat template (its text) for chat prompts in place of the
+            model's; None uses the model's, and a model without one refuses chat prompts.
     """
 
     stages: int = 1
@@ -253,6 +255,7 @@ class PipelineConfig:
     reply_timeout: float | None = None
     prefix_cache: bool = True
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB
+    chat_template: str | None = attrs.field(default=None, repr=False)
 
     @property
     def prefix_cache_bytes(self) -> int:

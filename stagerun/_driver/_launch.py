@@ -130,6 +130,7 @@ async def open_pipeline(
                 speculation=config.speculation,
                 recovery=config.recovery,
                 prefix_cache_bytes=config.prefix_cache_bytes,
+                chat_template=config.chat_template,
             )
             try:
                 yield pipeline

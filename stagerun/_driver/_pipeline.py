@@ -22,7 +22,7 @@ import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -85,8 +85,10 @@ class Pipeline:
         recovery: RecoveryPolicy | None = None,
         max_batch: int | None = None,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
+        chat_template: str | None = None,
     ) -> None:
         self.model = model
+        self.chat_template = chat_template  # in place of the model's (PipelineConfig's)
         self.recovery = recovery or RecoveryPolicy()
         self.recoveries = 0  # lane failures survived, over every request
         self.recovery_failures = 0
@@ -182,12 +184,28 @@ class Pipeline:
         """Token ids for a prompt: text, ids, or (with ``chat``) text or a list of messages."""
         if isinstance(prompt, str):
             if chat:
-                return self.model.apply_chat_template([{"role": "user", "content": prompt}])
+                return self.apply_chat_template([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         items = list(prompt)
         if items and isinstance(items[0], dict):
-            return self.model.apply_chat_template(items)  # type: ignore[arg-type]
+            return self.apply_chat_template(items)  # type: ignore[arg-type]
         return [int(t) for t in items]  # type: ignore[call-overload]
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """Messages as the chat template renders them, with the generation prompt.
+
+        The template is the one the pipeline was opened with
+        (`PipelineConfig.chat_template`), else the model's.
+
+        Raises:
+            ChatTemplateError: the model has no template and none was given, or the template
+                refused the messages.
+        """
+        return self.model.render_chat(messages, template=self.chat_template)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of `render_chat` (control tokens as their ids, no BOS added)."""
+        return self.tokenizer.encode(self.render_chat(messages), special=True, add_bos=False)
 
     @asynccontextmanager
     async def generate(

@@ -1,4 +1,9 @@
-"""The reference compute backend: one stage's layers of a llama model in float32 numpy.
+"""The reference compute backend: one stage's layers of a GGUF model in float32 numpy.
+
+It runs every built-in family (`stagerun.model.Family`) and any plugin family made of their
+traits: biases, query/key norms, post-norms, SwiGLU or GeGLU, scaled embeddings, sliding
+windows with their own RoPE base, linear and Llama 3 RoPE scaling, and softcapped scores
+and logits.
 
 Theory of operation. Decoding one token is a chain of matrix-vector products over ~530 MB of
 float32 weights for the default model, so the speed limit is memory bandwidth, and what matters
@@ -18,6 +23,10 @@ is how the weights are laid out and how many numpy calls each layer makes:
 * Grouped-query attention never repeats K/V: queries are viewed as ``[n_kv, group*T, head_dim]``
   and batched matmul broadcasts over the KV heads.
 * The KV cache is preallocated and grows in place by doubling; a decode step writes one slot.
+  A local (sliding-window) layer keeps every position too, but attends only to the key blocks
+  its window reaches, so its cost stays flat however long the context grows.
+* RoPE tables are computed per distinct (base, scaling) of the stage's layers, for the
+  positions used so far, and grow by doubling.
 * Everything is float32; constants are np.float32 (NEP 50 would promote to float64 otherwise).
 
 The backend is plain blocking code. ``threads`` limits OpenBLAS for the duration of each
@@ -132,7 +141,9 @@ class KVBlock:
 class _Layer:
     """One block, packed for speed (see the module docstring)."""
 
-    __slots__ = ("k_norm", "q_norm", "qkv_bias", "w_down", "w_gu", "w_o", "w_qkv")
+    __slots__ = (
+        "k_norm", "post_attn", "post_ffn", "q_norm", "qkv_bias", "w_down", "w_gu", "w_o", "w_qkv",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -143,9 +154,42 @@ class _Layer:
         qkv_bias: F32 | None = None,
         q_norm: F32 | None = None,
         k_norm: F32 | None = None,
+        post_attn: F32 | None = None,
+        post_ffn: F32 | None = None,
     ) -> None:
         self.w_qkv, self.w_o, self.w_gu, self.w_down = w_qkv, w_o, w_gu, w_down
         self.qkv_bias, self.q_norm, self.k_norm = qkv_bias, q_norm, k_norm
+        self.post_attn, self.post_ffn = post_attn, post_ffn
+
+
+class _Rope:
+    """RoPE tables of one (base, scaling) for positions ``0..len-1``, grown on demand.
+
+    ``cos``/``sin`` are ``[position, 2, head_dim/2]`` (the two halves of a head), to broadcast
+    over ``[T, heads, 2, hd/2]``; ``sin`` carries the minus sign of the first half.
+    """
+
+    __slots__ = ("_inv_freq", "_scale", "cos", "sin")
+
+    def __init__(self, head_dim: int, base: float, scale: float, factors: F32 | None) -> None:
+        half = head_dim // 2
+        inv_freq = 1.0 / (base ** (np.arange(half, dtype=np.float64) * 2.0 / head_dim))
+        if factors is not None:  # Llama 3: each frequency divided by its factor
+            inv_freq = inv_freq / factors.astype(np.float64)
+        self._inv_freq, self._scale = inv_freq, scale
+        self.cos: F32 = np.empty((0, 2, half), np.float32)
+        self.sin: F32 = np.empty((0, 2, half), np.float32)
+
+    def reach(self, positions: int) -> None:
+        """Make the tables cover positions ``0..positions-1``."""
+        have = self.cos.shape[0]
+        if positions <= have:
+            return
+        n = max(positions, 2 * have, 1024)
+        angles = (np.arange(n, dtype=np.float64) / self._scale)[:, None] * self._inv_freq
+        cos, sin = np.cos(angles), np.sin(angles)
+        self.cos = np.stack([cos, cos], axis=1).astype(np.float32)
+        self.sin = np.stack([-sin, sin], axis=1).astype(np.float32)
 
 
 class _Panels:
@@ -158,16 +202,9 @@ class _Panels:
 
     __slots__ = ("data", "n_out", "row_block")
 
-    def __init__(self, w: F32) -> None:
-        n_in, n_out = w.shape
-        panels = -(-n_out // _PANEL)
-        padded = np.zeros((n_in, panels * _PANEL), np.float32)
-        padded[:, :n_out] = w
-        self.data: F32 = np.ascontiguousarray(
-            padded.reshape(n_in, panels, _PANEL).transpose(1, 0, 2)
-        )
-        self.n_out = n_out
-        self.row_block = _row_block(n_in)
+    def __init__(self, w: F32, gain: F32 | None = None) -> None:
+        self.data, self.n_out = _panel_data(w.T, gain), w.shape[1]
+        self.row_block = _row_block(w.shape[0])
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -209,9 +246,57 @@ def _matmul(x: F32, w: _Panels) -> F32:
     return out[:, : w.n_out]
 
 
-def _panels(w: F32) -> _Panels:
-    """Panels for an ``(out, in)`` matrix (the orientation `stagerun.model` uses)."""
-    return _Panels(w.T)
+def _silu(g: F32) -> F32:
+    """``g * sigmoid(g)``, a new array."""
+    act: F32 = np.negative(g)
+    np.exp(act, out=act)
+    act += np.float32(1.0)
+    np.divide(g, act, out=act)
+    return act
+
+
+_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
+def _gelu_tanh(g: F32) -> F32:
+    """GELU's tanh approximation, ``g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``, new."""
+    t: F32 = g * g
+    t *= g
+    t *= np.float32(0.044715)
+    t += g
+    t *= _GELU_C
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    t *= g
+    t *= np.float32(0.5)
+    return t
+
+
+def _panels(w: F32, gain: F32 | None = None) -> _Panels:
+    """Panels for an ``(out, in)`` matrix (the orientation `stagerun.model` uses).
+
+    ``gain`` scales the input columns (a norm's gain folded in) as the panels are written.
+    """
+    return _Panels(w.T, gain)
+
+
+def _panel_data(w_rows: F32, gain: F32 | None) -> F32:
+    """``[P, in, PANEL]`` from an ``(out, in)`` matrix, in one pass over it (no padded copy
+    unless ``out`` is not a multiple of the panel width): the head of a 262k vocabulary is
+    670 MB."""
+    n_out, n_in = w_rows.shape
+    panels = -(-n_out // _PANEL)
+    data: F32 = np.empty((panels, n_in, _PANEL), np.float32)
+    whole = n_out // _PANEL
+    for p in range(0, whole, 256):  # slabs of panels: each a strided copy that fits in cache
+        q = min(whole, p + 256)
+        data[p:q] = w_rows[p * _PANEL : q * _PANEL].reshape(q - p, _PANEL, n_in).transpose(0, 2, 1)
+    if whole < panels:
+        data[whole] = 0.0
+        data[whole, :, : n_out - whole * _PANEL] = w_rows[whole * _PANEL :].T
+    if gain is not None:
+        data *= gain[None, :, None]
+    return data
 
 
 class NumpyBackend(GgufLayers):
@@ -237,16 +322,23 @@ class NumpyBackend(GgufLayers):
         w = self.model.load_weights(self._lo, self._hi, embeddings=self.is_first, head=self.is_last)
         self._layers = [self._pack_layer(lw) for lw in w.layers]
         self._embd: F32 | None = w.token_embd
+        self._embd_scale = np.float32(np.sqrt(c.d_model)) if c.family.embedding_scale else None
         self._head: _Panels | None = None
         if w.output is not None and w.output_norm is not None:
-            self._head = _panels(w.output * w.output_norm[None, :])
-        hd, half = c.head_dim, c.head_dim // 2
-        inv_freq = 1.0 / (c.rope_base ** (np.arange(half, dtype=np.float64) * 2.0 / hd))
-        angles = np.arange(c.context_length, dtype=np.float64)[:, None] * inv_freq[None, :]
-        cos, sin = np.cos(angles), np.sin(angles)
-        # [position, half of the head, frequency], to broadcast over [T, heads, 2, hd/2]
-        self._cos = np.stack([cos, cos], axis=1).astype(np.float32)
-        self._sin = np.stack([-sin, sin], axis=1).astype(np.float32)
+            self._head = _panels(w.output, w.output_norm)
+        factors = self.model.rope_factors()
+        ropes: dict[tuple[float, float], _Rope] = {}
+        self._ropes: list[_Rope] = []  # per layer of the stage, shared by equal settings
+        self._windows: list[int] = []
+        for layer in range(self._lo, self._hi):
+            base, scale = c.layer_rope(layer)
+            local = c.is_local(layer)
+            key = (base, scale)
+            if key not in ropes:  # Llama 3's factors go with the global layers' settings
+                ropes[key] = _Rope(c.head_dim, base, scale, None if local else factors)
+            self._ropes.append(ropes[key])
+            self._windows.append(c.sliding_window if local else 0)
+        self._gelu = c.family.activation == "gelu_tanh"
 
     def _pack_layer(self, lw: LayerWeights) -> _Layer:
         f = fuse_layer(lw, self.config)
@@ -258,6 +350,8 @@ class NumpyBackend(GgufLayers):
             f.qkv_bias,
             f.q_norm,
             f.k_norm,
+            f.post_attn_norm,
+            f.post_ffn_norm,
         )
 
     def __repr__(self) -> str:
@@ -336,9 +430,12 @@ class NumpyBackend(GgufLayers):
         if len({id(item.cache) for item in items}) != len(items):
             raise ValueError("two items of one batched forward share a KV cache.")
         batch = _Batch([self._start(item) for item in items], items)
+        end = max(item.position + n for item, n in zip(items, batch.sizes, strict=True))
+        for rope in self._ropes:
+            rope.reach(end)
         with _blas_limit(self.threads), np.errstate(over="ignore"):
             for i, layer in enumerate(self._layers):
-                batch.poll(self._lo + i, (self._cos, self._sin))
+                batch.poll(self._lo + i)
                 if not batch.live:
                     break
                 self._block(layer, i, batch)
@@ -366,6 +463,11 @@ class NumpyBackend(GgufLayers):
             picked.append(rows if self._head is None or item.logits == "all" else rows[-1:])
         if self._head is not None and picked:
             heads = _matmul(self._norm(np.concatenate(picked)), self._head)
+            cap = self.config.final_softcap
+            if cap:
+                heads /= np.float32(cap)
+                np.tanh(heads, out=heads)
+                heads *= np.float32(cap)
             bounds = np.cumsum([0] + [p.shape[0] for p in picked])
             picked = [heads[a:b] for a, b in itertools.pairwise(bounds)]
         live = iter(picked)
@@ -385,6 +487,8 @@ class NumpyBackend(GgufLayers):
             return hidden_rows
         assert self._embd is not None
         embedded: F32 = self._embd[rows]
+        if self._embd_scale is not None:
+            embedded *= self._embd_scale
         return embedded
 
     def _check_position(self, cache: KVCache, position: int, n: int) -> None:
@@ -413,21 +517,27 @@ class NumpyBackend(GgufLayers):
             heads = qkv[:, : nqk * hd].reshape(h.shape[0], nqk, hd)
             self._head_norms(heads, layer.q_norm, layer.k_norm)
         qk = qkv[:, : nqk * hd].reshape(h.shape[0], nqk, 2, hd // 2)
-        rot = qk[:, :, ::-1] * batch.sin
-        qk *= batch.cos
+        cos, sin = batch.rope(self._ropes[i])
+        rot = qk[:, :, ::-1] * sin
+        qk *= cos
         qk += rot
         attn: F32 = np.empty((h.shape[0], c.n_heads * hd), np.float32)
         for k, (a, b) in batch.spans():
             attn[a:b] = self._attend(i, batch.items[k], qkv[a:b])
-        h += _matmul(attn, layer.w_o)
+        h += self._post_norm(_matmul(attn, layer.w_o), layer.post_attn)
         gu = _matmul(self._norm(h), layer.w_gu)  # [R, 2 d_ff]
         g, u = gu[:, : c.d_ff], gu[:, c.d_ff :]
-        act: F32 = np.negative(g)
-        np.exp(act, out=act)
-        act += np.float32(1.0)
-        np.divide(g, act, out=act)
+        act = _gelu_tanh(g) if self._gelu else _silu(g)
         act *= u
-        h += _matmul(act, layer.w_down)
+        h += self._post_norm(_matmul(act, layer.w_down), layer.post_ffn)
+
+    def _post_norm(self, out: F32, gain: F32 | None) -> F32:
+        """A block output as it joins the residual stream: normalized first, if the family says."""
+        if gain is None:
+            return out
+        normed = self._norm(out)
+        normed *= gain
+        return normed
 
     def _head_norms(self, qk: F32, q_norm: F32, k_norm: F32) -> None:
         """RMS-normalize each head's query and key rows in place (``[R, heads, hd]``)."""
@@ -469,18 +579,29 @@ class NumpyBackend(GgufLayers):
         q = qkv[:, : c.n_heads * hd].reshape(n, n_kv, group, hd)
         out: F32 = np.empty((n, c.n_heads * hd), np.float32)
         step = max(1, _attention_rows(hd) // group)
+        window, cap = self._windows[i], np.float32(c.attn_softcap)
         for t0 in range(0, n, step):
             t1 = min(n, t0 + step)
-            out[t0:t1] = self._attend_rows(q[t0:t1], pos + t0, keys_t, values, span)
+            out[t0:t1] = self._attend_rows(q[t0:t1], pos + t0, keys_t, values, window, cap)
         return out
 
     @staticmethod
-    def _attend_rows(q: F32, first: int, keys_t: F32, values: F32, span: int) -> F32:
-        """Attention of the rows ``q`` (``[m, n_kv, group, hd]``, positions from ``first``)."""
+    def _attend_rows(
+        q: F32, first: int, keys_t: F32, values: F32, window: int, cap: np.float32
+    ) -> F32:
+        """Attention of the rows ``q`` (``[m, n_kv, group, hd]``, positions from ``first``).
+
+        With a ``window``, the row at position p sees the keys ``p-window+1..p``: key blocks
+        wholly before the first row's window, like those wholly after the last row, would add
+        exact zeros to every row, so they are left out. ``cap`` softcaps the scores (0: not).
+        """
         m, n_kv, group, hd = q.shape
         # blocks wholly after the last row are masked for every row: they would add zeros
         n_blocks = (first + m - 1) // _KEY_BLOCK + 1
-        keys_t, values, span = keys_t[:, :n_blocks], values[:, :n_blocks], n_blocks * _KEY_BLOCK
+        lo = max(0, first - window + 1) // _KEY_BLOCK if window else 0
+        keys_t, values = keys_t[:, lo:n_blocks], values[:, lo:n_blocks]
+        base, n_blocks = lo * _KEY_BLOCK, n_blocks - lo
+        span = base + n_blocks * _KEY_BLOCK
         rows = q.transpose(1, 2, 0, 3).reshape(n_kv, group * m, hd)
         pad = rows.shape[1] == 1  # one row would take the gemv path, which sums otherwise
         if pad:
@@ -488,12 +609,20 @@ class NumpyBackend(GgufLayers):
         s: F32 = rows[:, None] @ keys_t  # [n_kv, blocks, rows, KEY_BLOCK]
         if pad:
             s = s[:, :, :1]
-        # key j is seen by the row at position p iff j <= p: only the blocks from the first
-        # row's own on hold keys that some row does not see
-        b0 = first // _KEY_BLOCK
-        keys = np.arange(b0 * _KEY_BLOCK, span)
-        mask = np.zeros((m, span - b0 * _KEY_BLOCK), np.float32)
-        mask[keys[None, :] > np.arange(first, first + m)[:, None]] = -np.inf
+        if cap:
+            s /= cap
+            np.tanh(s, out=s)
+            s *= cap
+        # key j is seen by the row at position p iff j <= p (and p - j < window): without a
+        # window only the blocks from the first row's own on hold keys some row does not see
+        b0 = 0 if window else first // _KEY_BLOCK - lo
+        keys = np.arange(base + b0 * _KEY_BLOCK, span)
+        at = np.arange(first, first + m)[:, None]
+        hidden = keys[None, :] > at
+        if window:
+            hidden |= keys[None, :] <= at - window
+        mask = np.zeros(hidden.shape, np.float32)
+        mask[hidden] = -np.inf
         s_view = s.reshape(n_kv, n_blocks, group, m, _KEY_BLOCK)
         tail = mask.reshape(m, n_blocks - b0, _KEY_BLOCK).transpose(1, 0, 2)
         s_view[:, b0:] += tail[None, :, None]
@@ -522,6 +651,7 @@ class _Batch:
     """
 
     def __init__(self, inputs: list[F32], items: Sequence[ForwardItem]) -> None:
+        self._tables: dict[int, tuple[F32, F32]] = {}
         self.items = items
         self.sizes = [x.shape[0] for x in inputs]
         self.cancelled: list[ComputeCancelled | None] = [None] * len(items)
@@ -533,17 +663,19 @@ class _Batch:
                 for it, n in zip(items, self.sizes, strict=True)
             ]
         )
-        self.cos: F32 = np.empty(0, np.float32)
-        self.sin: F32 = np.empty(0, np.float32)
 
     @property
     def live(self) -> bool:
         return bool(self._live)
 
-    def tables(self, cos: F32, sin: F32) -> None:
-        """Gather the RoPE tables at the live rows' positions."""
-        self.cos = cos[self._positions][:, None]
-        self.sin = sin[self._positions][:, None]
+    def rope(self, rope: _Rope) -> tuple[F32, F32]:
+        """``rope``'s tables at the live rows' positions (gathered once per live set)."""
+        tables = self._tables.get(id(rope))
+        if tables is None:
+            positions = self._positions
+            tables = (rope.cos[positions][:, None], rope.sin[positions][:, None])
+            self._tables[id(rope)] = tables
+        return tables
 
     def spans(self) -> list[tuple[int, tuple[int, int]]]:
         """``(item, (first row, end row))`` of each live item in ``h``."""
@@ -557,7 +689,7 @@ class _Batch:
         """Live item ``k``'s rows in ``h``."""
         return next(self.h[a:b] for j, (a, b) in self.spans() if j == k)
 
-    def poll(self, layer: int, tables: tuple[F32, F32]) -> None:
+    def poll(self, layer: int) -> None:
         """Ask each live item whether to stop before ``layer``; drop the ones that say so."""
         stopping = poll_stops(self.items, self._live, layer)
         if stopping:
@@ -568,5 +700,4 @@ class _Batch:
                     self.cancelled[k] = stopping[k]
             self._live = [k for k in self._live if k not in stopping]
             self.h, self._positions = self.h[keep], self._positions[keep]
-        if stopping or not self.cos.size:
-            self.tables(*tables)
+            self._tables.clear()

@@ -46,6 +46,8 @@ class FusedLayer:
     qkv_bias: F32 | None = None  # qwen2: ``[b_q; b_k; b_v]``, in the rows' order and scale
     q_norm: F32 | None = None  # qwen3: the per-head RMSNorm gains, the attention scale in q's
     k_norm: F32 | None = None
+    post_attn_norm: F32 | None = None  # gemma: the gains of the norms on the block's outputs
+    post_ffn_norm: F32 | None = None
 
 
 def qk_row_order(config: ModelConfig, heads: int) -> npt.NDArray[np.intp]:
@@ -65,10 +67,13 @@ def fuse_layer(lw: LayerWeights, config: ModelConfig, *, fold_norms: bool = True
     """
     family = config.family
     scale = np.float32(1.0 / np.sqrt(config.head_dim))
-    q_rows = k_rows = slice(None)
+    hd = config.head_dim
+    q_rows, k_rows = np.arange(config.n_heads * hd), np.arange(config.n_kv_heads * hd)
+    within = np.arange(hd)
     if family.rope_interleaved:
-        q_rows = qk_row_order(config, config.n_heads)  # type: ignore[assignment]
-        k_rows = qk_row_order(config, config.n_kv_heads)  # type: ignore[assignment]
+        q_rows = qk_row_order(config, config.n_heads)
+        k_rows = qk_row_order(config, config.n_kv_heads)
+        within = qk_row_order(config, 1)
     q_scale = np.float32(1.0) if family.qk_norm else scale
     wq = lw.wq[q_rows] * q_scale
     wk = lw.wk[k_rows]
@@ -78,7 +83,6 @@ def fuse_layer(lw: LayerWeights, config: ModelConfig, *, fold_norms: bool = True
         bias = np.concatenate([lw.bq[q_rows] * q_scale, lw.bk[k_rows], lw.bv])
     q_norm = k_norm = None
     if lw.q_norm is not None and lw.k_norm is not None:
-        within = qk_row_order(config, 1) if family.rope_interleaved else slice(None)
         q_norm = (lw.q_norm[within] * scale).astype(np.float32)
         k_norm = lw.k_norm[within].astype(np.float32)
     gate_up = np.concatenate([lw.w_gate, lw.w_up])
@@ -95,4 +99,6 @@ def fuse_layer(lw: LayerWeights, config: ModelConfig, *, fold_norms: bool = True
         qkv_bias=None if bias is None else bias.astype(np.float32),
         q_norm=q_norm,
         k_norm=k_norm,
+        post_attn_norm=lw.post_attn_norm,
+        post_ffn_norm=lw.post_ffn_norm,
     )

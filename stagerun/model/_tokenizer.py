@@ -1,30 +1,56 @@
-"""A byte-level BPE tokenizer built offline from a GGUF vocabulary.
+"""The tokenizer of a GGUF model, rebuilt offline from its vocabulary.
 
-A GGUF carries no ``tokenizer.json``; it stores the vocabulary, merges and token types under
-llama.cpp's keys. We rebuild the tokenizer with the ``tokenizers`` library: a BPE model over the
-GPT-2 byte alphabet, the pre-tokenizer the ``tokenizer.ggml.pre`` name implies, and every control
-token (type 3) added as a special token so that ``<|im_end|>`` stays whole. The result matches
-llama.cpp and Hugging Face on the default model.
+A GGUF carries no ``tokenizer.json``; it stores the vocabulary, token types and either merges or
+scores under llama.cpp's keys. We rebuild the tokenizer with the ``tokenizers`` library, as a BPE
+model of one of two kinds (``tokenizer.ggml.model``):
 
-Streaming detokenization works on bytes: each token maps to the bytes it stands for, and an
-incremental UTF-8 decoder holds back a multi-byte character until its last byte has arrived.
+* ``gpt2``, byte-level BPE (SmolLM2, Qwen): tokens are spelled in the GPT-2 byte alphabet, the
+  file lists the merges, and the pre-tokenizer is the one the ``tokenizer.ggml.pre`` name implies.
+* ``llama``, SentencePiece BPE (llama.cpp's SPM vocabulary; Gemma 3): tokens are UTF-8 text with
+  ``▁`` (U+2581) for a space, the file lists no merges but a score per token, and a character
+  missing from the vocabulary falls back to its UTF-8 bytes as ``<0xNN>`` tokens. SentencePiece
+  repeatedly joins the adjacent pair whose joined piece scores highest; we get the same result
+  from BPE merges derived from the vocabulary: every cut of a token into two tokens is a merge,
+  ranked by that token's score. The normalizer writes spaces as ``▁`` and, when
+  ``tokenizer.ggml.add_space_prefix`` says so, prepends one (after each special token too, as
+  llama.cpp does). User-defined tokens spelled with real spaces (Gemma's runs of 2-31 spaces) are
+  respelled with ``▁`` and merged first, ahead of every scored token.
+
+In both kinds every control token (type 3) is added as a special token, so ``<|im_end|>`` and
+``<end_of_turn>`` stay whole, and every other user-defined token (type 4: Gemma's newline and tab
+runs, HTML tags) as a plain added token, matched whole in the text as llama.cpp matches it. The
+ids match llama.cpp and Hugging Face on SmolLM2, and Hugging Face on Gemma 3.
+
+Streaming detokenization works on bytes: each token maps to the bytes it stands for (a GPT-2
+character or an SPM byte token to its byte, ``▁`` to a space), and an incremental UTF-8 decoder
+holds back a multi-byte character until its last byte has arrived.
 """
 
 from __future__ import annotations
 
 import codecs
 import functools
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal, assert_never
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from .._errors import UnsupportedModelError
 
 __all__ = ["StreamDecoder", "Tokenizer", "bytes_to_unicode", "eog_ids_from_vocab"]
 
+TokenizerKind = Literal["gpt2", "llama"]
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+NORMAL = 1
 CONTROL = 3
 USER_DEFINED = 4
+BYTE = 6
+
+SPM_SPACE = "\u2581"  # how a SentencePiece vocabulary spells a space
+_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # Token texts llama.cpp treats as end of generation whatever their id (llama-vocab.cpp).
 EOG_TEXTS = frozenset({
@@ -79,6 +105,120 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
+def _byte_level_backend(
+    tokens: Sequence[str], merges: Sequence[str], pre: str | None
+) -> tokenizers.Tokenizer:
+    vocab = {text: i for i, text in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = tokenizers.Tokenizer(models.BPE(vocab, pairs))  # type: ignore[arg-type]
+    backend.pre_tokenizer = _pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _spm_spelling(tokens: Sequence[str], types: Sequence[int]) -> list[str]:
+    """The vocabulary as the BPE model sees it: user-defined runs of spaces spelled with ``▁``.
+
+    The normalizer turns every space into ``▁`` before the model runs, so a token spelled with
+    real spaces could never be reached; respelled, it is merged like any other piece.
+    """
+    taken = set(tokens)
+    spelled = list(tokens)
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
+        if kind == USER_DEFINED and text and not text.strip(" "):
+            respelled = SPM_SPACE * len(text)
+            if respelled not in taken:
+                spelled[i] = respelled
+                taken.add(respelled)
+    return spelled
+
+
+def _spm_merges(
+    spelled: Sequence[str],
+    types: Sequence[int],
+    scores: Sequence[float],
+    vocab: Mapping[str, int],
+    respelled: Iterable[int],
+) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's merge-by-highest-score.
+
+    Each token that the model may build (a normal token, or a respelled run of spaces) yields a
+    merge for every cut into two vocabulary pieces. Merges are ranked by the built token: the
+    respelled runs first (llama.cpp matches user-defined tokens before merging), then normal
+    tokens by score, highest first, ties by id; among the cuts of one token the longer left piece
+    goes first. Control, byte and other added tokens are never built from text.
+    """
+    normal = [i for i, kind in enumerate(types) if kind == NORMAL]
+    normal.sort(key=lambda i: (-scores[i], i))
+    merges: list[tuple[str, str]] = []
+    for i in [*sorted(respelled), *normal]:
+        text = spelled[i]
+        for cut in range(len(text) - 1, 0, -1):
+            left = text[:cut]
+            if left in vocab:
+                right = text[cut:]
+                if right in vocab:
+                    merges.append((left, right))
+    return merges
+
+
+def _spm_backend(
+    tokens: Sequence[str],
+    types: Sequence[int],
+    scores: Sequence[float],
+    *,
+    unknown_id: int | None,
+    add_space_prefix: bool,
+) -> tuple[tokenizers.Tokenizer, list[str]]:
+    """The SentencePiece BPE backend, and the spelling of each token it was built with."""
+    spelled = _spm_spelling(tokens, types)
+    respelled = [i for i, (a, b) in enumerate(zip(tokens, spelled, strict=True)) if a != b]
+    vocab = {text: i for i, text in enumerate(spelled)}
+    unk = spelled[unknown_id] if unknown_id is not None and 0 <= unknown_id < len(spelled) else None
+    bpe = models.BPE(
+        vocab,
+        _spm_merges(spelled, types, scores, vocab, respelled),
+        unk_token=unk,
+        byte_fallback=True,
+        fuse_unk=False,  # one <unk> per unknown character, as llama.cpp writes them
+    )
+    backend = tokenizers.Tokenizer(bpe)
+    # Added tokens split the text first; each piece between them is normalized on its own, so
+    # Prepend puts a space after every special token as well as at the start (llama.cpp's rule).
+    replace = normalizers.Replace(" ", SPM_SPACE)
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(SPM_SPACE), replace])
+        if add_space_prefix
+        else replace
+    )
+    steps: list[decoders.Decoder] = [
+        decoders.Replace(SPM_SPACE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))  # the prefix the normalizer added
+    backend.decoder = decoders.Sequence(steps)
+    return backend, spelled
+
+
+def _add_vocab_tokens(
+    backend: tokenizers.Tokenizer,
+    spelled: Sequence[str],
+    tokens: Sequence[str],
+    types: Sequence[int],
+) -> None:
+    """Control tokens as special tokens; user-defined ones the model cannot build as plain ones."""
+    backend.add_special_tokens([
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, types, strict=False) if k == CONTROL
+    ])  # fmt: skip
+    backend.add_tokens([
+        AddedToken(t, special=False, normalized=False)
+        for t, s, k in zip(tokens, spelled, types, strict=False) if k == USER_DEFINED and t == s
+    ])  # fmt: skip
+
+
 class StreamDecoder:
     """Turns generated token ids into text as they arrive, one complete character at a time."""
 
@@ -101,7 +241,7 @@ class StreamDecoder:
 
 
 class Tokenizer:
-    """Byte-level BPE tokenizer of a GGUF model; see :meth:`from_gguf_fields`."""
+    """The BPE tokenizer of a GGUF model, byte-level or SentencePiece; see `from_gguf_fields`."""
 
     def __init__(
         self,
@@ -113,10 +253,12 @@ class Tokenizer:
         eos_id: int | None,
         eog_ids: frozenset[int],
         add_bos: bool,
+        kind: TokenizerKind = "gpt2",
     ) -> None:
         self._backend = backend
         self._tokens = list(tokens)
-        self._types = list(token_types) or [1] * len(self._tokens)
+        self._types = list(token_types) or [NORMAL] * len(self._tokens)
+        self.kind: TokenizerKind = kind
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.eog_ids = eog_ids
@@ -126,7 +268,7 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return (
-            f"<Tokenizer vocab={self.vocab_size} special={len(self.special_ids)} "
+            f"<Tokenizer {self.kind} vocab={self.vocab_size} special={len(self.special_ids)} "
             f"bos={self.bos_id} eos={self.eos_id} add_bos={self.add_bos}>"
         )
 
@@ -143,31 +285,60 @@ class Tokenizer:
         eos_id: int | None,
         eog_ids: frozenset[int],
         add_bos: bool,
+        scores: Sequence[float] = (),
+        unknown_id: int | None = None,
+        add_space_prefix: bool = True,
         source: str = "the model",
     ) -> Tokenizer:
-        """Build the tokenizer from the ``tokenizer.ggml.*`` values of a GGUF file."""
-        if model != "gpt2" or not tokens:
-            raise UnsupportedModelError(
-                f"{source} has a {model!r} tokenizer; stagerun supports byte-level BPE "
-                f"('gpt2') vocabularies only."
+        """Build the tokenizer from the ``tokenizer.ggml.*`` values of a GGUF file.
+
+        Args:
+            model, pre, tokens, token_types, merges: ``tokenizer.ggml.model``, ``.pre``,
+                ``.tokens``, ``.token_type`` and ``.merges`` (merges for 'gpt2' only).
+            scores, unknown_id, add_space_prefix: ``tokenizer.ggml.scores``,
+                ``.unknown_token_id`` and ``.add_space_prefix`` ('llama' only; llama.cpp's
+                default for a missing ``add_space_prefix`` is True).
+            bos_id, eos_id, eog_ids, add_bos: the special ids, and whether ``encode`` prepends
+                BOS by default (``tokenizer.ggml.add_bos_token``).
+            source: the file's name, for error messages.
+        """
+        types = list(token_types) or [NORMAL] * len(tokens)
+        kind: TokenizerKind
+        if model == "gpt2" and tokens:
+            kind, spelled = "gpt2", list(tokens)
+            backend = _byte_level_backend(tokens, merges, pre)
+        elif model == "llama" and tokens:
+            if len(scores) != len(tokens) or len(types) != len(tokens):
+                raise UnsupportedModelError(
+                    f"{source} has a 'llama' tokenizer with {len(tokens)} tokens but "
+                    f"{len(scores)} scores and {len(types)} token types; a SentencePiece "
+                    "vocabulary needs one of each per token (tokenizer.ggml.scores, "
+                    "tokenizer.ggml.token_type)."
+                )
+            kind = "llama"
+            backend, spelled = _spm_backend(
+                tokens,
+                types,
+                scores,
+                unknown_id=unknown_id,
+                add_space_prefix=add_space_prefix,
             )
-        vocab = {text: i for i, text in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
-        bpe = models.BPE(vocab, pairs)  # type: ignore[arg-type]
-        backend = tokenizers.Tokenizer(bpe)
-        backend.pre_tokenizer = _pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
-        types = list(token_types)
-        backend.add_special_tokens([
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types, strict=False) if k == CONTROL
-        ])  # fmt: skip
-        backend.add_tokens([
-            AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types, strict=False) if k == USER_DEFINED
-        ])  # fmt: skip
+        else:
+            raise UnsupportedModelError(
+                f"{source} has a {model!r} tokenizer"
+                f"{'' if tokens else ' with no tokens'}; stagerun supports byte-level BPE "
+                "('gpt2') and SentencePiece ('llama') vocabularies only."
+            )
+        _add_vocab_tokens(backend, spelled, tokens, types)
         return cls(
-            backend, tokens, types, bos_id=bos_id, eos_id=eos_id, eog_ids=eog_ids, add_bos=add_bos
+            backend,
+            tokens,
+            types,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            eog_ids=eog_ids,
+            add_bos=add_bos,
+            kind=kind,
         )
 
     @property
@@ -213,17 +384,32 @@ class Tokenizer:
                 raise ValueError(
                     f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})."
                 )
-            text = self._tokens[token_id]
-            table = _unicode_to_bytes()
-            if self._types[token_id] in (CONTROL, USER_DEFINED) or not all(
-                c in table for c in text
-            ):
-                cached = text.encode("utf-8")
-            else:
-                cached = bytes(table[c] for c in text)
+            text, kind = self._tokens[token_id], self._types[token_id]
+            match self.kind:
+                case "gpt2":
+                    cached = _byte_level_bytes(text, kind)
+                case "llama":
+                    cached = _spm_bytes(text, kind)
+                case _:
+                    assert_never(self.kind)
             self._bytes_cache[token_id] = cached
         return cached
 
     def stream_decoder(self, *, skip_special: bool = False) -> StreamDecoder:
         """A fresh incremental detokenizer (one per generated sequence)."""
         return StreamDecoder(self, skip_special=skip_special)
+
+
+def _byte_level_bytes(text: str, kind: int) -> bytes:
+    table = _unicode_to_bytes()
+    if kind in (CONTROL, USER_DEFINED) or not all(c in table for c in text):
+        return text.encode("utf-8")
+    return bytes(table[c] for c in text)
+
+
+def _spm_bytes(text: str, kind: int) -> bytes:
+    if kind in (CONTROL, USER_DEFINED):
+        return text.encode("utf-8")  # as the file spells it: Gemma's "  " is two real spaces
+    if kind == BYTE and (byte := _SPM_BYTE.fullmatch(text)):
+        return bytes([int(byte.group(1), 16)])
+    return text.replace(SPM_SPACE, " ").encode("utf-8")

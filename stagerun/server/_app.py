@@ -288,7 +288,7 @@ async def _prompt_ids(state: ServerState, req: GenerationRequest) -> tuple[list[
             return pipeline.encode_prompt(prompt)
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         # ModelFile.apply_chat_template's two steps, with the bound between them
-        text = bounded(pipeline.model.render_chat(messages))
+        text = bounded(pipeline.render_chat(messages))
         return pipeline.tokenizer.encode(text, special=True, add_bos=False)
 
     if req.kind == "completion":

@@ -35,11 +35,13 @@ import numpy as np
 import numpy.typing as npt
 
 from ..model._chat import CHATML_TEMPLATE
+from ..model._families import FAMILIES, Family
 from ..model._tokenizer import bytes_to_unicode
 
 __all__ = ["TINY_FAMILIES", "TINY_MERGES", "TINY_SPECIAL_TOKENS", "write_tiny_model"]
 
-TINY_FAMILIES = ("llama", "qwen2", "qwen3")
+TINY_FAMILIES = tuple(FAMILIES)
+TINY_WINDOW = 40  # the sliding window of a tiny windowed family: shorter than test prompts
 
 TINY_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TINY_MERGES = (
@@ -52,7 +54,7 @@ TINY_MERGES = (
 def write_tiny_model(
     path: str | os.PathLike[str],
     *,
-    n_layers: int = 4,
+    n_layers: int | None = None,
     d_model: int = 64,
     n_heads: int = 4,
     n_kv_heads: int = 2,
@@ -60,12 +62,17 @@ def write_tiny_model(
     seed: int = 0,
     tied_output: bool = True,
     architecture: str = "llama",
-    family: str = "llama",
+    family: str | Family = "llama",
     context_length: int = 512,
     weights: str = "F32",
     embedding_std: float = 0.05,
     attention_gain: float = 3.0,
     logit_scale: float = 8.0,
+    sliding_window: int | None = None,
+    rope_scaling: float | None = None,
+    rope_factors: bool | npt.ArrayLike = False,
+    attn_softcap: float = 0.0,
+    final_softcap: float = 0.0,
 ) -> pathlib.Path:
     """Write a small llama GGUF file with seeded random F32 weights and return its path.
 
@@ -75,9 +82,18 @@ def write_tiny_model(
             SmolLM2; False writes a separate head.
         architecture: ``general.architecture``; anything but ``llama`` makes a file that
             ``open_model`` must refuse (for tests).
-        family: the model family whose layout the file has: ``llama``, ``qwen2`` (attention
-            biases) or ``qwen3`` (RMSNorms of queries and keys); it is then the file's
-            architecture.
+        n_layers: blocks; None gives 4, or one whole window pattern (Gemma 3: 6, five local
+            layers and a global one) if that is more.
+        family: the model family whose layout the file has, a built-in's name (``llama``,
+            ``qwen2``, ``qwen3``, ``phi3``, ``gemma3``) or a `stagerun.model.Family` (a
+            plugin's); its name is then the file's architecture. The file holds the tensors
+            its traits name (`Family.layer_tensors`).
+        sliding_window: ``{arch}.attention.sliding_window``; None gives `TINY_WINDOW` to a
+            family with a window pattern (Gemma), none to the others.
+        rope_scaling: a linear RoPE scaling factor (``rope.scaling.type = linear``).
+        rope_factors: write Llama 3's ``rope_freqs.weight``: these ``head_dim/2`` divisors of
+            the RoPE frequencies, or True for random ones in 1..8.
+        attn_softcap, final_softcap: Gemma 2's softcaps of scores and logits, when not 0.
         weights: the GGML type of the block matrices: ``F32`` (default), or a type
             ``gguf.quants`` can quantize (``Q4_0``, ``Q4_1``, ``Q8_0``...) for backends that
             read the blocks as stored. Norms and embeddings stay F32.
@@ -90,9 +106,18 @@ def write_tiny_model(
     qtype = _block_type(weights, d_model=d_model, d_ff=d_ff, n_heads=n_heads, n_kv_heads=n_kv_heads)
     path = pathlib.Path(path)
     tokens, token_types = _tiny_vocabulary()
-    if family not in TINY_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(TINY_FAMILIES)}")
-    writer = gguf.GGUFWriter(path, architecture if family == "llama" else family)
+    if isinstance(family, str):
+        if family not in FAMILIES:
+            raise ValueError(
+                f"unknown family {family!r}; expected one of {', '.join(TINY_FAMILIES)}"
+            )
+        family = FAMILIES[family]
+    if n_layers is None:
+        n_layers = max(4, family.sliding_window_pattern)
+    if sliding_window is None:
+        sliding_window = TINY_WINDOW if family.sliding_window_pattern else 0
+    arch = architecture if family.name == "llama" else family.name
+    writer = gguf.GGUFWriter(path, arch)
     _add_hyperparameters(
         writer,
         qtype,
@@ -106,6 +131,15 @@ def write_tiny_model(
         vocab=len(tokens),
         family=family,
     )
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling)
+    if attn_softcap:
+        writer.add_attn_logit_softcapping(attn_softcap)
+    if final_softcap:
+        writer.add_final_logit_softcapping(final_softcap)
     _add_tokenizer(writer, tokens, token_types)
     _add_weights(
         writer,
@@ -122,6 +156,7 @@ def write_tiny_model(
         attention_gain=attention_gain,
         logit_scale=logit_scale,
         family=family,
+        rope_factors=rope_factors,
     )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -166,10 +201,10 @@ def _add_hyperparameters(
     n_heads: int,
     n_kv_heads: int,
     vocab: int,
-    family: str = "llama",
+    family: Family,
 ) -> None:
     """The model's name, file type and shape keys (the family's, as ``general.architecture``)."""
-    writer.add_name(f"tiny-random-{family}")
+    writer.add_name(f"tiny-random-{family.name}")
     file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{weights}"
     if file_type in gguf.LlamaFileType.__members__:
         writer.add_file_type(gguf.LlamaFileType[file_type])
@@ -179,11 +214,12 @@ def _add_hyperparameters(
     writer.add_feed_forward_length(d_ff)
     writer.add_head_count(n_heads)
     writer.add_head_count_kv(n_kv_heads)
-    writer.add_rope_freq_base(10000.0)
+    # a family with its own local base gets another global one, so that both matter
+    writer.add_rope_freq_base(10000.0 if family.local_rope_base is None else 1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(d_model // n_heads)
     writer.add_vocab_size(vocab)
-    if family != "llama":  # transformers reads Qwen's head size from these, not from the width
+    if family.name != "llama":  # transformers reads Qwen's head size from these, not the width
         writer.add_key_length(d_model // n_heads)
         writer.add_value_length(d_model // n_heads)
 
@@ -216,12 +252,14 @@ def _add_weights(
     embedding_std: float,
     attention_gain: float,
     logit_scale: float,
-    family: str = "llama",
+    family: Family,
+    rope_factors: bool | npt.ArrayLike = False,
 ) -> None:
     """Seeded random tensors, drawn in file order: F32 norms and embeddings, ``qtype`` blocks.
 
-    A family's own tensors (qwen2's biases, qwen3's query and key norms) are drawn where the
-    file holds them, so a llama file is the same whatever families exist.
+    A family's own tensors (qwen2's biases, qwen3's query and key norms...) are drawn where
+    the file holds them, so a llama file is the same whatever families exist; a fused matrix
+    (Phi-3's ``attn_qkv``, ``ffn_up``) is the separate draws stacked.
     """
     head_dim = d_model // n_heads
     rng = np.random.default_rng(seed)
@@ -239,24 +277,49 @@ def _add_weights(
             writer.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
 
     embeddings = embedding_std * rng.standard_normal((vocab, d_model))
+    if family.embedding_scale:  # the model multiplies them by sqrt(d_model): keep them small
+        embeddings /= np.sqrt(d_model)
     writer.add_tensor("token_embd.weight", embeddings.astype(np.float32))
+    if rope_factors is True:
+        rope_factors = rng.uniform(1.0, 8.0, head_dim // 2)
+    if rope_factors is not False:
+        factors = np.asarray(rope_factors, dtype=np.float32)
+        if factors.shape != (head_dim // 2,):
+            raise ValueError(f"rope_factors needs {head_dim // 2} divisors, not {factors.shape}.")
+        writer.add_tensor("rope_freqs.weight", factors)
     for i in range(n_layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", gain(d_model))
-        add_matrix(f"blk.{i}.attn_q.weight", attention_gain * matrix(n_heads * head_dim, d_model))
-        add_matrix(f"blk.{i}.attn_k.weight", matrix(n_kv_heads * head_dim, d_model))
-        add_matrix(f"blk.{i}.attn_v.weight", matrix(n_kv_heads * head_dim, d_model))
-        if family == "qwen2":
+        # with query norms the norm's gain, not the matrix, sets how sharply heads attend
+        q_gain = 1.0 if family.qk_norm else attention_gain
+        q = q_gain * matrix(n_heads * head_dim, d_model)
+        k = matrix(n_kv_heads * head_dim, d_model)
+        v = matrix(n_kv_heads * head_dim, d_model)
+        if family.fused_qkv:
+            add_matrix(f"blk.{i}.attn_qkv.weight", np.concatenate([q, k, v]))
+        else:
+            add_matrix(f"blk.{i}.attn_q.weight", q)
+            add_matrix(f"blk.{i}.attn_k.weight", k)
+            add_matrix(f"blk.{i}.attn_v.weight", v)
+        if family.attention_bias:
             for name, rows in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
                 bias = 0.1 * rng.standard_normal(rows * head_dim)
                 writer.add_tensor(f"blk.{i}.attn_{name}.bias", bias.astype(np.float32))
-        if family == "qwen3":
+        if family.qk_norm:
             writer.add_tensor(f"blk.{i}.attn_q_norm.weight", attention_gain * gain(head_dim))
             writer.add_tensor(f"blk.{i}.attn_k_norm.weight", gain(head_dim))
         add_matrix(f"blk.{i}.attn_output.weight", matrix(d_model, n_heads * head_dim))
+        if family.post_norms:
+            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", gain(d_model))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", gain(d_model))
-        add_matrix(f"blk.{i}.ffn_gate.weight", matrix(d_ff, d_model))
-        add_matrix(f"blk.{i}.ffn_up.weight", matrix(d_ff, d_model))
+        gate, up = matrix(d_ff, d_model), matrix(d_ff, d_model)
+        if family.fused_gate_up:
+            add_matrix(f"blk.{i}.ffn_up.weight", np.concatenate([gate, up]))
+        else:
+            add_matrix(f"blk.{i}.ffn_gate.weight", gate)
+            add_matrix(f"blk.{i}.ffn_up.weight", up)
         add_matrix(f"blk.{i}.ffn_down.weight", matrix(d_model, d_ff))
+        if family.post_norms:
+            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", gain(d_model))
     writer.add_tensor("output_norm.weight", logit_scale * gain(d_model))
     if not tied_output:
         writer.add_tensor("output.weight", matrix(vocab, d_model))

@@ -163,7 +163,9 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
         self.path = (
             Path(self.model.path)
             if (lo, hi) == (0, c.n_layers)
-            else slice_model(Path(self.model.path), lo, hi)
+            else slice_model(
+                Path(self.model.path), lo, hi, local=[c.is_local(i) for i in range(c.n_layers)]
+            )
         )
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = 0

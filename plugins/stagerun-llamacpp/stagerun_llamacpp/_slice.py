@@ -6,12 +6,19 @@ renumbered from 0, and the token embeddings, output norm and output head (llama.
 to build its graph even where the stage does not use them). Tensors are copied as they are,
 quantized, never converted. Slices are cached on disk, keyed by the source file's SHA-256 and the
 range, so each is written once.
+
+A model with local (sliding-window) and global layers needs one more key: llama.cpp derives
+which layers are local from their index (Gemma 3: all but every sixth), and a slice renumbers
+them, so the slice carries ``{arch}.attention.sliding_window_pattern`` as one flag per block,
+which llama.cpp reads in place of the index rule. A slice of global layers only has no window
+at all (llama.cpp refuses a window that no layer uses).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -35,11 +42,25 @@ def source_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def slice_model(source: Path, lo: int, hi: int, *, directory: Path | None = None) -> Path:
-    """The path of a GGUF with blocks ``lo..hi-1`` of ``source`` (written if not cached)."""
+def slice_model(
+    source: Path,
+    lo: int,
+    hi: int,
+    *,
+    directory: Path | None = None,
+    local: Sequence[bool] | None = None,
+) -> Path:
+    """The path of a GGUF with blocks ``lo..hi-1`` of ``source`` (written if not cached).
+
+    ``local`` flags which of the source's blocks use its sliding window (every block's, from
+    `stagerun.model.ModelConfig.is_local`); None leaves the source's keys as they are.
+    """
     directory = directory or cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{source_digest(source)[:16]}-layers-{lo}-{hi}.gguf"
+    pattern = None if local is None or not any(local) else [bool(x) for x in local[lo:hi]]
+    drop_window = pattern is not None and not any(pattern)
+    tag = "" if pattern is None else "-global" if drop_window else "-swa"
+    target = directory / f"{source_digest(source)[:16]}-layers-{lo}-{hi}{tag}.gguf"
     if target.exists():
         return target
     reader = gguf.GGUFReader(source)
@@ -53,12 +74,18 @@ def slice_model(source: Path, lo: int, hi: int, *, directory: Path | None = None
         if name == f"{arch}.block_count":
             writer.add_uint32(name, hi - lo)
             continue
+        if name == f"{arch}.attention.sliding_window_pattern" and pattern is not None:
+            continue  # written below, for the slice's blocks
+        if name == f"{arch}.attention.sliding_window" and drop_window:
+            continue
         vtype = field.types[0]
         value = field.contents()
         if vtype == gguf.GGUFValueType.ARRAY:
             writer.add_key_value(name, value, vtype, sub_type=field.types[-1])
         else:
             writer.add_key_value(name, value, vtype)
+    if pattern is not None and not drop_window:
+        writer.add_array(f"{arch}.attention.sliding_window_pattern", pattern)
     for tensor in reader.tensors:
         name = tensor.name
         if name.startswith("blk."):

@@ -71,7 +71,7 @@ class Conversation:
         await trio.sleep(delay)  # arrives this much later (not counted in its times)
         question = QUESTIONS[(self.first_question + index) % len(QUESTIONS)]
         self.messages.append({"role": "user", "content": question})
-        prompt = pipeline.model.apply_chat_template(self.messages)
+        prompt = pipeline.apply_chat_template(self.messages)
         if self._previous is not None:
             self.template_prefix.append(prompt[: len(self._previous)] == self._previous)
         result = await pipeline.complete(prompt, max_tokens=max_tokens, sampling=SamplingParams())
