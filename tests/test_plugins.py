@@ -11,7 +11,9 @@ import pytest
 
 from stagerun import SpeculationConfig, plugins
 from stagerun._cli._main import main
+from stagerun._errors import UnsupportedModelError
 from stagerun.drafters import NgramDrafter
+from stagerun.plugins import PluginError
 from stagerun.transports import TcpTransport, WebSocketTransport
 
 MODULE = """
@@ -89,6 +91,19 @@ class NoForward:
 
 
 not_a_class = 42
+
+from stagerun.model import Family
+
+MISNAMED = Family("other")
+BRANCHY = Family("branchy", rope_interleaved=False)
+
+
+def make_branchy():
+    return BRANCHY
+
+
+def failing_family():
+    raise RuntimeError("no such luck")
 """
 
 
@@ -121,6 +136,13 @@ def fake_plugins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
 
         [stagerun.backends]
         noforward = fakeplug_mod:NoForward
+
+        [stagerun.architectures]
+        misnamed = fakeplug_mod:MISNAMED
+        branchy = fakeplug_mod:make_branchy
+        failing = fakeplug_mod:failing_family
+        numeric = fakeplug_mod:not_a_class
+        llama = fakeplug_mod:BRANCHY
         """,
     )
     _fake_distribution(
@@ -334,3 +356,27 @@ def test_takes_device_reads_the_backend_signature() -> None:
     plugins.refresh()
     assert not plugins.takes_device("numpy")
     assert plugins.takes_device("torch")
+
+
+def test_family_plugins_are_checked_by_name_and_type(
+    fake_plugins: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from stagerun.model import FAMILIES, family_of, open_model
+    from stagerun.testing import write_tiny_model
+
+    assert plugins.family("branchy").name == "branchy"  # a factory is called
+    with pytest.raises(PluginError, match="named 'other', but it is registered for the 'misnamed'"):
+        plugins.family("misnamed")
+    with pytest.raises(PluginError, match="calling it failed: RuntimeError: no such luck"):
+        plugins.family("failing")
+    with pytest.raises(PluginError, match=r"it is a int, not a stagerun\.model\.Family"):
+        plugins.family("numeric")
+    # a plugin cannot take a built-in's name: the built-in wins, with a warning
+    assert plugins.family("llama") is FAMILIES["llama"]
+    assert "stagerun's built-in architecture of that name wins" in caplog.text
+    assert family_of("llama") is FAMILIES["llama"]
+    # a file of the plugin's architecture opens as its family; a broken one says why
+    path = write_tiny_model(tmp_path / "b.gguf", family=plugins.family("branchy"))
+    assert open_model(path).config.family.name == "branchy"
+    with pytest.raises(UnsupportedModelError, match=r"'misnamed' model .*named 'other'"):
+        family_of("misnamed", "m.gguf")
