@@ -55,6 +55,10 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "mistral-window": ({"sliding_window": 24}, {"model_type": "mistral", "sliding_window": 24}),
     "llama-linear-rope": ({"rope_scaling": 2.0}, {"rope_parameters": LINEAR_ROPE}),
     "llama3-rope": ({"rope_factors": "llama3"}, {"rope_parameters": LLAMA3_ROPE}),
+    "mistral-window-llama3-rope": (
+        {"sliding_window": 24, "rope_factors": "llama3"},
+        {"model_type": "mistral", "sliding_window": 24, "rope_parameters": LLAMA3_ROPE},
+    ),
 }
 
 
@@ -63,6 +67,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 LLAMA_CPP_DIFFERS = {
     "phi3": "llama.cpp's phi3 vocabulary loader looks up Phi-3's own tokens",
     "mistral-window": "llama.cpp's llama architecture ignores a sliding window",
+    "mistral-window-llama3-rope": "llama.cpp's llama architecture ignores a sliding window",
 }
 
 

@@ -125,7 +125,7 @@ def test_the_file_is_what_the_acceptance_says(gemma: ModelFile) -> None:
     assert (c.family.name, c.n_layers, c.d_model, c.vocab_size) == ("gemma3", 18, 640, 262144)
     assert gemma.chat_template is None and c.sliding_window == 512
     assert [i for i in range(18) if not c.is_local(i)] == [5, 11, 17]
-    assert (c.layer_rope(0), c.layer_rope(5)) == ((10000.0, 1.0), (1000000.0, 1.0))
+    assert (c.layer_rope(0), c.layer_rope(5)) == ((10000.0, 1.0, False), (1e6, 1.0, False))
     kinds = {t.tensor_type.name for t in gemma._reader.tensors}
     assert kinds == {"Q4_K", "Q5_0", "Q6_K", "Q8_0", "F32"}
 

@@ -327,17 +327,16 @@ class NumpyBackend(GgufLayers):
         if w.output is not None and w.output_norm is not None:
             self._head = _panels(w.output, w.output_norm)
         factors = self.model.rope_factors()
-        ropes: dict[tuple[float, float], _Rope] = {}
+        ropes: dict[tuple[float, float, bool], _Rope] = {}
         self._ropes: list[_Rope] = []  # per layer of the stage, shared by equal settings
         self._windows: list[int] = []
         for layer in range(self._lo, self._hi):
-            base, scale = c.layer_rope(layer)
-            local = c.is_local(layer)
-            key = (base, scale)
-            if key not in ropes:  # Llama 3's factors go with the global layers' settings
-                ropes[key] = _Rope(c.head_dim, base, scale, None if local else factors)
+            key = c.layer_rope(layer)
+            base, scale, scaled = key
+            if key not in ropes:
+                ropes[key] = _Rope(c.head_dim, base, scale, factors if scaled else None)
             self._ropes.append(ropes[key])
-            self._windows.append(c.sliding_window if local else 0)
+            self._windows.append(c.sliding_window if c.is_local(layer) else 0)
         self._gelu = c.family.activation == "gelu_tanh"
 
     def _pack_layer(self, lw: LayerWeights) -> _Layer:

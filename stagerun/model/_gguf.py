@@ -95,11 +95,16 @@ class ModelConfig:
         """Whether block ``layer`` attends through the sliding window."""
         return self.family.is_local(layer, self.sliding_window)
 
-    def layer_rope(self, layer: int) -> tuple[float, float]:
-        """Block ``layer``'s RoPE base and linear scale (local layers are never scaled)."""
-        if self.is_local(layer):
-            return (self.local_rope_base or self.rope_base, 1.0)
-        return (self.rope_base, self.rope_scale)
+    def layer_rope(self, layer: int) -> tuple[float, float, bool]:
+        """Block ``layer``'s RoPE: base, linear scale, and whether Llama 3's factors apply.
+
+        A local layer of a family with its own local base (Gemma 3) takes that base, unscaled
+        (as Hugging Face's and llama.cpp's Gemma 3 do); every other layer takes the file's
+        base, scaling and factors, windowed or not (a windowed llama file).
+        """
+        if self.is_local(layer) and self.local_rope_base is not None:
+            return (self.local_rope_base, 1.0, False)
+        return (self.rope_base, self.rope_scale, self.rope_factors)
 
 
 @attrs.frozen(eq=False)

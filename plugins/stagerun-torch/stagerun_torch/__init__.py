@@ -2,6 +2,6 @@
 
 from ._backend import TorchBackend as TorchBackend
 from ._backend import TorchInt4Backend as TorchInt4Backend
-from ._backend import TorchKVCache as TorchKVCache
+from ._cache import TorchKVCache as TorchKVCache
 
 __all__ = ["TorchBackend", "TorchInt4Backend", "TorchKVCache"]

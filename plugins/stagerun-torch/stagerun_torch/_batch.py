@@ -10,40 +10,32 @@ from stagerun import ComputeCancelled
 from stagerun.abc import ForwardItem
 from stagerun.backends import poll_stops
 
+from ._attention import RopeTable, visible_keys
+
 __all__ = ["Batch"]
 
 
 class Batch:
     """The sessions of one batched forward: their stacked rows, and which are still live.
 
-    ``h`` holds the live items' rows one item after another; ``cos``/``sin`` the RoPE tables
-    at those rows' positions (``[R, 1, head_dim/2]``, to broadcast over the heads); ``masks``
-    each item's causal mask (None for one row: it sees the whole cache).
+    ``h`` holds the live items' rows one item after another. `rope` gives a RoPE table at
+    those rows' positions, `keys` the keys an item's rows see.
     """
 
-    def __init__(
-        self,
-        inputs: list[torch.Tensor],
-        items: Sequence[ForwardItem],
-        tables: tuple[torch.Tensor, torch.Tensor],
-    ) -> None:
+    def __init__(self, inputs: list[torch.Tensor], items: Sequence[ForwardItem]) -> None:
         self.items = items
         self.sizes = [x.shape[0] for x in inputs]
         self.cancelled: list[ComputeCancelled | None] = [None] * len(items)
         self.h = torch.cat(inputs) if len(inputs) > 1 else inputs[0]
-        device = self.h.device
-        self.masks = [
-            _causal(it.position, n, device) for it, n in zip(items, self.sizes, strict=True)
-        ]
         self._live = list(range(len(items)))
         self._positions = torch.cat(
             [
                 torch.arange(it.position, it.position + n)
                 for it, n in zip(items, self.sizes, strict=True)
             ]
-        ).to(device)
-        self._tables = tables
-        self._gather()
+        ).to(self.h.device)
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._keys: dict[tuple[int, int], tuple[int, torch.Tensor | None]] = {}
 
     def __repr__(self) -> str:
         return f"<Batch items={len(self.items)} live={len(self._live)} rows={self.h.shape[0]}>"
@@ -51,6 +43,29 @@ class Batch:
     @property
     def live(self) -> bool:
         return bool(self._live)
+
+    def rope(self, table: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """``table``'s cos and sin at the live rows' positions, ``[R, 1, head_dim/2]``.
+
+        Gathered once per table and live set; the table must reach the batch's positions.
+        """
+        gathered = self._tables.get(id(table))
+        if gathered is None:
+            gathered = (
+                table.cos[self._positions][:, None, :],
+                table.sin[self._positions][:, None, :],
+            )
+            self._tables[id(table)] = gathered
+        return gathered
+
+    def keys(self, k: int, window: int) -> tuple[int, torch.Tensor | None]:
+        """Item ``k``'s first visible key and mask, with a sliding ``window`` (0: none)."""
+        seen = self._keys.get((k, window))
+        if seen is None:
+            item = self.items[k]
+            seen = visible_keys(item.position, self.sizes[k], window, self.h.device)
+            self._keys[(k, window)] = seen
+        return seen
 
     def spans(self) -> list[tuple[int, tuple[int, int]]]:
         """``(item, (first row, end row))`` of each live item in ``h``."""
@@ -81,18 +96,4 @@ class Batch:
         self._live = [k for k in self._live if k not in stopping]
         keep = keep.to(self.h.device)
         self.h, self._positions = self.h[keep], self._positions[keep]
-        self._gather()
-
-    def _gather(self) -> None:
-        """The RoPE tables at the live rows' positions."""
-        cos, sin = self._tables
-        self.cos = cos[self._positions][:, None, :]
-        self.sin = sin[self._positions][:, None, :]
-
-
-def _causal(position: int, n: int, device: torch.device) -> torch.Tensor | None:
-    """Row ``t`` of ``n`` new rows from ``position`` sees the cache and new rows up to itself."""
-    if n == 1:
-        return None
-    seen = torch.arange(position + n, device=device)[None, :]
-    return seen <= position + torch.arange(n, device=device)[:, None]
+        self._tables.clear()

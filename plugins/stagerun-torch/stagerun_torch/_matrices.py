@@ -22,11 +22,16 @@ Every class runs its kernel through `in_blocks`, which cuts and pads the rows.
 
 ``F.rms_norm`` gave every row the same at every size measured, and the attention runs per
 session, on the same shapes alone and in a batch. Elementwise ops are exact per element,
-except the MLP's SiLU (`silu_mul`): on the CPU torch
-vectorizes each thread's share of the elements and ends a share that is not a multiple of the
-vector width with scalar code, whose ``exp`` rounds differently; how the elements are shared
-depends on their number, so a row's activations depended on the batch (5 threads, 128 rows:
-4 rows off). Calls under torch's parallel grain run on one thread, every row alike.
+except the transcendental ones, the MLP's SiLU or GELU (`silu_mul`, `gelu_tanh_mul`) and the
+logits' softcap (`softcap`): on the CPU torch vectorizes each thread's share of the elements
+and ends a share that is not a multiple of the vector width with scalar code, whose ``exp``
+rounds differently; how the elements are shared depends on their number, so a row's
+activations depended on the batch (5 threads, 128 rows: 4 rows off). Calls under torch's
+parallel grain run on one thread, every row alike, and on operands whose rows are not
+contiguous with each other (a column slice, or `softcap`'s padded buffer) each row is its own
+vectorized loop with its own tail: on a contiguous ``[R, W]`` operand with ``W`` not a
+multiple of the vector width the tail moves with ``R`` (measured, one thread: GELU over 1500
+columns, most rows off).
 """
 
 from __future__ import annotations
@@ -48,10 +53,12 @@ __all__ = [
     "Int4",
     "Matrix",
     "OneDNN",
+    "gelu_tanh_mul",
     "host",
     "in_blocks",
     "int4",
     "silu_mul",
+    "softcap",
     "unpack_q4",
 ]
 
@@ -167,6 +174,7 @@ class Int4:
 Matrix = Dense | OneDNN | Int4
 
 _GRAIN = 32768  # at::internal::GRAIN_SIZE: a CPU elementwise op on fewer elements is one thread
+_GELU_GRAIN = 16384  # GELU_MIN_ELEMENTS_FOR_MULTI_THREADING in ATen's activation kernels
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -175,11 +183,41 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     On the CPU the rows go in calls of fewer than ``_GRAIN`` elements (see the module
     docstring); on CUDA every element runs the same code, so it is one call.
     """
-    n, width = g.shape
-    rows = max(1, (_GRAIN - 1) // width)
-    if g.device.type != "cpu" or n <= rows:
-        return F.silu(g) * u
-    return torch.cat([F.silu(g[s : s + rows]) * u[s : s + rows] for s in range(0, n, rows)])
+    return _rowwise(lambda g, u: F.silu(g) * u, g, u)
+
+
+def gelu_tanh_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(g) * u`` (Gemma's GeGLU), row by row as `silu_mul`.
+
+    torch's GELU goes parallel from `_GELU_GRAIN` elements, under the common grain.
+    """
+    return _rowwise(lambda g, u: F.gelu(g, approximate="tanh") * u, g, u, grain=_GELU_GRAIN)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)`` for ``[R, W]`` rows (the logits), row by row as `silu_mul`.
+
+    The rows are first copied into a buffer one element wider than a row: torch then runs
+    each row as its own inner loop, vectorized the same whatever the rows around it (on a
+    contiguous ``[R, W]`` torch runs one flat loop, whose scalar tail depends on ``R``).
+    """
+    n, width = x.shape
+    rows = x.new_empty((n, width + 1))[:, :width]
+    rows.copy_(x)
+    # in place: a new output would be contiguous, and the next op on it one flat loop again
+    capped = _rowwise(lambda r: r.div_(cap).tanh_().mul_(cap), rows)
+    return capped.contiguous()
+
+
+def _rowwise(
+    op: Callable[..., torch.Tensor], *xs: torch.Tensor, grain: int = _GRAIN
+) -> torch.Tensor:
+    """``op(*xs)`` for ``[R, W]`` operands, on the CPU in calls of fewer than ``grain``."""
+    n, width = xs[0].shape
+    rows = max(1, (grain - 1) // width)
+    if xs[0].device.type != "cpu" or n <= rows:
+        return op(*xs)
+    return torch.cat([op(*(x[s : s + rows] for x in xs)) for s in range(0, n, rows)])
 
 
 _Q4 = tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]
@@ -188,7 +226,7 @@ _Q4 = tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float
 def unpack_q4(
     t: QuantizedTensor, rows: npt.NDArray[np.intp] | None = None, *, scale: float = 1.0
 ) -> _Q4:
-    """``(q, scale, zero)`` of a Q4_0/Q4_1 tensor, rows reordered by ``rows``, scaled by ``scale``.
+    """``(q, scale, zero)`` of a Q4_0/Q4_1 tensor's ``rows`` (all: None), scaled by ``scale``.
 
     ``q`` is ``[out, in]`` in 0..15; ``scale`` and ``zero`` are ``[out, in / 32]``.
     """
@@ -199,6 +237,7 @@ def unpack_q4(
         )
     out, n_in = t.shape
     blocks = t.data if rows is None else t.data[rows]
+    out = blocks.shape[0]
     blocks = blocks.reshape(out, n_in // _GROUP, _Q4_BLOCK[t.qtype])
     f = np.float32(scale)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32) * f
