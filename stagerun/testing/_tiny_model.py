@@ -37,6 +37,7 @@ import numpy.typing as npt
 from ..model._chat import CHATML_TEMPLATE
 from ..model._families import FAMILIES, Family
 from ..model._tokenizer import bytes_to_unicode
+from ._kquants import K_QUANTS, quantize_k
 
 __all__ = ["TINY_FAMILIES", "TINY_MERGES", "TINY_SPECIAL_TOKENS", "write_tiny_model"]
 
@@ -94,9 +95,10 @@ def write_tiny_model(
         rope_factors: write Llama 3's ``rope_freqs.weight``: these ``head_dim/2`` divisors of
             the RoPE frequencies, or True for random ones in 1..8.
         attn_softcap, final_softcap: Gemma 2's softcaps of scores and logits, when not 0.
-        weights: the GGML type of the block matrices: ``F32`` (default), or a type
-            ``gguf.quants`` can quantize (``Q4_0``, ``Q4_1``, ``Q8_0``...) for backends that
-            read the blocks as stored. Norms and embeddings stay F32.
+        weights: the GGML type of the block matrices: ``F32`` (default), a type
+            ``gguf.quants`` can quantize (``Q4_0``, ``Q4_1``, ``Q8_0``...), or a K-quant
+            (``Q4_K``, ``Q5_K``, ``Q6_K``: d_model and d_ff multiples of 256). Norms and
+            embeddings stay F32.
         embedding_std: the standard deviation of the token embeddings (see the module
             docstring); 1.0 with ``attention_gain=1`` and ``logit_scale=1`` gives the old,
             peaked model that repeats one token.
@@ -273,6 +275,8 @@ def _add_weights(
     def add_matrix(name: str, m: npt.NDArray[np.float32]) -> None:
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, m)
+        elif qtype.name in K_QUANTS:  # gguf-py reads K-quants but cannot write them
+            writer.add_tensor(name, quantize_k(m, qtype.name), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
 

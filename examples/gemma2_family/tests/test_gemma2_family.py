@@ -94,3 +94,26 @@ def test_a_file_without_a_template_gets_gemma_s(tiny: pathlib.Path) -> None:
     finally:
         model.chat_template = own
     assert text.endswith("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
+
+
+def test_torch_and_llama_cpp_run_it_too(tiny: pathlib.Path) -> None:
+    """The backends run the plugin's traits; llama.cpp split in three (its own Gemma 2)."""
+    import gc
+
+    from stagerun_llamacpp import LlamaCppBackend
+    from stagerun_torch import TorchBackend
+
+    model = open_model(tiny)
+    numpy_backend = NumpyBackend(model)
+    want = numpy_backend.forward(numpy_backend.new_cache(), 0, tokens=IDS, logits="all")
+    torch_backend = TorchBackend(model, device="cpu")
+    got = torch_backend.forward(torch_backend.new_cache(), 0, tokens=IDS, logits="all")
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    stages = [LlamaCppBackend(model, r) for r in ((0, 1), (1, 3), (3, 4))]
+    out = stages[0].forward(stages[0].new_cache(), 0, tokens=IDS, logits="all")
+    for stage in stages[1:]:
+        out = stage.forward(stage.new_cache(), 0, hidden=out, logits="all")
+    del stages
+    gc.collect()
+    assert np.abs(out - want).max() / np.abs(want).max() < 1e-2  # llama.cpp's float16 paths
+    assert (out.argmax(axis=1) == want.argmax(axis=1)).mean() > 0.9

@@ -6,6 +6,9 @@ llama.cpp computes exactly the stage's layer range in its own (quantized) kernel
 * **input**: the first stage passes token ids; the others pass the previous stage's hidden
   states as the batch's embedding input (``llama_batch_init(T, n_embd, 1)``, rows copied into
   ``batch.embd``), which llama.cpp feeds to block 0 in place of the token embeddings;
+  llama.cpp's ``gemma`` and ``gemma2`` graphs multiply that input by ``sqrt(d_model)`` as
+  they do token embeddings (``gemma3`` only scales tokens), so a later stage of those
+  divides its hidden rows by it first (`SCALES_HIDDEN_INPUT`);
 * **output**: the last stage reads logits; the others read the output of their last block,
   ``l_out-{n-1}``, from the graph through the eval callback, which copies the tensor out with
   ``ggml_backend_tensor_get``. Every row must request an output, or llama.cpp prunes the last
@@ -56,6 +59,9 @@ __all__ = ["LlamaCppBackend", "LlamaCppCache"]
 DEFAULT_CONTEXT = 2048
 DEFAULT_SEATS = 1
 SEATS_ENV = "STAGERUN_LLAMACPP_SEATS"
+# Architectures whose llama.cpp graph scales its input by sqrt(d_model) even when the input is
+# hidden states (models/gemma.cpp, gemma2.cpp; gemma3.cpp scales token input only).
+SCALES_HIDDEN_INPUT = frozenset({"gemma", "gemma2"})
 _backend_ready = False
 
 
@@ -273,6 +279,8 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
             vocab_size=self.vocab_size,
             d_model=self.d_model,
         )
+        if not self.is_first and self.config.architecture in SCALES_HIDDEN_INPUT:
+            rows = rows * np.float32(1.0 / np.sqrt(self.d_model))  # undone by llama.cpp
         check_positions(
             item.cache.length,
             item.position,
