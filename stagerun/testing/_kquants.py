@@ -75,8 +75,8 @@ def _q45_k(blocks: F32, *, bits: int) -> U8:
     scales[:, 8:12] = (sc8[:, 4:] & 0x0F) | ((mn8[:, 4:] & 0x0F) << 4)
     # byte k of pair j: sub-block 2j's value k in the low nibble, 2j+1's in the high one
     nibbles = q & 0x0F
-    qs = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).reshape(n, 128)
-    parts = [_f16(d), _f16(dmin), scales]
+    qs = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).reshape(n, 128).astype(np.uint8)
+    parts: list[U8] = [_f16(d), _f16(dmin), scales]
     if bits == 5:  # bit s of byte k: the fifth bit of sub-block s's value k
         fifth = (q >> 4) & 1
         qh = np.zeros((n, 32), np.uint8)
@@ -94,8 +94,8 @@ def _q6_k(blocks: F32) -> U8:
     d = np.asarray(scale.max(axis=1) / 127.0, np.float16).astype(np.float32)
     sc = np.clip(np.rint(scale / np.where(d > 0, d, 1.0)[:, None]), 0, 127).astype(np.int8)
     step = (d[:, None] * sc)[:, :, None]
-    q = np.clip(np.rint(sub / np.where(step > 0, step, 1.0)), -32, 31).astype(np.int16) + 32
-    q = q.astype(np.uint8).reshape(n, 2, 128)  # two halves of 128 values
+    signed = np.clip(np.rint(sub / np.where(step > 0, step, 1.0)), -32, 31).astype(np.int16)
+    q = (signed + 32).astype(np.uint8).reshape(n, 2, 128)  # two halves of 128 values
     ql = np.zeros((n, 2, 64), np.uint8)
     qh = np.zeros((n, 2, 32), np.uint8)
     for j in range(2):  # value j*64 + c of a half: low nibble (j=0) or high (j=1) of ql[c]
