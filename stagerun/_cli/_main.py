@@ -265,11 +265,11 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 def _models() -> int:
-    from ..model import resolve_model
+    from ..model import KNOWN_MODELS, resolve_model
 
-    try:
-        path = resolve_model("smollm2")
-        print(f"smollm2\t{path}")
-    except StagerunError as exc:
-        print(f"smollm2\t(not installed: {exc})")
+    for model in KNOWN_MODELS:
+        try:  # a chunked model is assembled on its first resolve (seconds, once)
+            print(f"{model.name}\t{resolve_model(model.name)}")
+        except StagerunError as exc:
+            print(f"{model.name}\t(not installed: {exc})")
     return 0

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import gguf
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +64,29 @@ SEATS_ENV = "STAGERUN_LLAMACPP_SEATS"
 # hidden states (models/gemma.cpp, gemma2.cpp; gemma3.cpp scales token input only).
 SCALES_HIDDEN_INPUT = frozenset({"gemma", "gemma2"})
 _backend_ready = False
+
+
+HEADLESS_VOCAB = 1024  # the vocabulary a non-last slice keeps, when its special tokens fit
+
+
+def _headless_vocab(model: ModelFile) -> int | None:
+    """How much vocabulary a slice without a head keeps: None for all of it.
+
+    llama.cpp's vocabulary loader looks up the special tokens (and, for SentencePiece, the
+    byte tokens such as ``<0x0A>``), so they must all fall below the cut; a vocabulary not
+    much larger than the cut is kept whole.
+    """
+    c = model.config
+    if c.vocab_size <= 4 * HEADLESS_VOCAB:
+        return None
+    ids = [c.bos_id, c.eos_id, *c.eog_ids]
+    ids += [model._get(f"tokenizer.ggml.{k}_token_id", None) for k in ("unknown", "padding")]
+    if model._get("tokenizer.ggml.model", None) == "llama":  # SentencePiece: the byte tokens
+        tokens = model._get("tokenizer.ggml.tokens", [])
+        ids.append(tokens.index("<0xFF>") if "<0xFF>" in tokens else len(tokens))
+    if any(i is not None and int(i) >= HEADLESS_VOCAB for i in ids):
+        return None
+    return HEADLESS_VOCAB
 
 
 def _ggml_base() -> ctypes.CDLL:
@@ -166,11 +190,21 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
         if _ggml is None:
             _ggml = _ggml_base()
         self._ggml = _ggml
+        # A stage that is not the last needs no head: its slice keeps a short vocabulary,
+        # and the first stage looks its tokens' embeddings up itself.
+        self._vocab = None if self.is_last else _headless_vocab(self.model)
+        self._embedding: Any = None
+        if self._vocab is not None and self.is_first:
+            self._embedding = self.model._tensors["token_embd.weight"]
         self.path = (
             Path(self.model.path)
             if (lo, hi) == (0, c.n_layers)
             else slice_model(
-                Path(self.model.path), lo, hi, local=[c.is_local(i) for i in range(c.n_layers)]
+                Path(self.model.path),
+                lo,
+                hi,
+                local=[c.is_local(i) for i in range(c.n_layers)],
+                vocab=self._vocab,
             )
         )
         params = llama_cpp.llama_model_default_params()
@@ -279,7 +313,9 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
             vocab_size=self.vocab_size,
             d_model=self.d_model,
         )
-        if not self.is_first and self.config.architecture in SCALES_HIDDEN_INPUT:
+        if self._embedding is not None:
+            rows = self._embed(rows)
+        elif not self.is_first and self.config.architecture in SCALES_HIDDEN_INPUT:
             rows = rows * np.float32(1.0 / np.sqrt(self.d_model))  # undone by llama.cpp
         check_positions(
             item.cache.length,
@@ -300,7 +336,8 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
         sizes = [x.shape[0] for x in inputs]
         places = [(item.cache.seq, item.position) for item in items]
         stops = [item.should_stop for item in items]
-        done = context.decode(inputs, places, stops, embeddings=not self.is_first)
+        embeddings = not self.is_first or self._embedding is not None
+        done = context.decode(inputs, places, stops, embeddings=embeddings)
         for item, n in zip(items, sizes, strict=True):
             item.cache.length = item.position + n  # so that a trim forgets what was stored
         problem = self._problem(done.status, done.rows, sum(sizes), len(done.stopped), len(items))
@@ -322,6 +359,16 @@ class LlamaCppBackend(GgufLayers, ComputeBackend):
             out = out[-1:] if self.is_last and item.logits == "last" else out
             results.append(out.copy() if len(items) > 1 else out)
         return results
+
+    def _embed(self, ids: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The embeddings of token ``ids`` as llama.cpp's graph would make them from ids."""
+        t = self._embedding
+        rows = np.asarray(gguf.quants.dequantize(t.data[ids], t.tensor_type), np.float32)
+        rows = rows.reshape(len(ids), self.d_model)
+        c = self.config
+        if c.family.embedding_scale and c.architecture not in SCALES_HIDDEN_INPUT:
+            rows *= np.sqrt(np.float32(self.d_model))  # gemma3 scales token input only
+        return rows
 
     @staticmethod
     def _problem(

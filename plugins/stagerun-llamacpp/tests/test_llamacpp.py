@@ -208,6 +208,25 @@ def test_split_stages_agree_with_numpy(smollm2: ModelFile) -> None:
     assert np.corrcoef(logits.ravel(), expected.ravel())[0, 1] >= 0.999
 
 
+def test_stages_before_the_last_keep_no_head_and_compute_the_same(smollm2: ModelFile) -> None:
+    """A slice before the last keeps 1,024 tokens of the vocabulary, so llama.cpp's graph
+    ends in a small head; the first stage looks its embeddings up itself. Bitwise the same."""
+    import llama_cpp
+
+    ids = smollm2.tokenizer.encode(PROMPTS[2])
+    whole = LlamaCppBackend(smollm2, threads=2)
+    want = whole.forward(whole.new_cache(), 0, tokens=ids, logits="all")
+    stages = [LlamaCppBackend(smollm2, r, threads=2) for r in ((0, 10), (10, 20), (20, 30))]
+    vocabularies = [
+        llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(s._model)) for s in stages
+    ]
+    assert vocabularies == [1024, 1024, smollm2.config.vocab_size]
+    got = stages[0].forward(stages[0].new_cache(), 0, tokens=ids, logits="all")
+    for stage in stages[1:]:
+        got = stage.forward(stage.new_cache(), 0, hidden=got, logits="all")
+    assert np.array_equal(got, want)
+
+
 @pytest.mark.slow
 async def test_mixed_pipeline_numpy_llamacpp_torch() -> None:
     outputs = {}
