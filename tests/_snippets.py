@@ -149,8 +149,8 @@ def stagerun_argv(head: str) -> list[str] | None:
 
 def quick_bench(argv: list[str]) -> list[str]:
     """A `stagerun bench` command with one round of 16 tokens (and a kill after 8 of them;
-    a chat of two turns), where it takes those options: every option as written is still used, on a run that takes
-    seconds instead of minutes."""
+    a chat of two turns; one request per client), where it takes those options: every option
+    as written is still used, on a run that takes seconds instead of minutes."""
     taken = vars(build_parser().parse_args(argv))
     argv = list(argv)
     quick = (
@@ -160,6 +160,7 @@ def quick_bench(argv: list[str]) -> list[str]:
         ("--turns", "2"),  # bench chat: two turns over a short system prompt
         ("--system-tokens", "100"),
         ("--stagger-ms", "100"),
+        ("--requests-per-client", "1"),  # bench serve: each client's curve point once
     )
     for option, value in quick:
         if option.removeprefix("--").replace("-", "_") not in taken:

@@ -118,3 +118,28 @@ async def test_stage_threads_reach_the_backends(tmp_path: pathlib.Path) -> None:
         await pipeline.complete("hello", max_tokens=2)
         assert pipeline._backend0.threads == 3
     assert [s.threads for s in plan(config, 3).stages] == [3, 1, 2]
+
+
+def test_chat_template_files_are_read_bounded_and_reach_the_config(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stagerun._cli._pipeline_options import MAX_TEMPLATE_BYTES
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    for command in (["serve"], ["generate", "hi"], ["bench", "decode"]):
+        args = build_parser().parse_args([*command, "--chat-template", str(template)])
+        assert config_from_args(args).chat_template == "{{ messages[0]['content'] }}"
+    assert config_from_args(build_parser().parse_args(["serve"])).chat_template is None
+    (tmp_path / "big.jinja").write_text("x" * (MAX_TEMPLATE_BYTES + 1))
+    (tmp_path / "empty.jinja").write_text("  \n")
+    (tmp_path / "binary.jinja").write_bytes(b"\xff\xfe")
+    for name, words in [
+        ("big.jinja", f"is over {MAX_TEMPLATE_BYTES} characters"),
+        ("empty.jinja", "is empty"),
+        ("binary.jinja", "is not UTF-8 text"),
+        ("missing.jinja", "cannot read the chat template"),
+    ]:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--chat-template", str(tmp_path / name)])
+        assert words in capsys.readouterr().err

@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -210,29 +209,18 @@ def test_the_openai_client_completes_and_a_chat_gets_a_clear_400(
     assert "has no chat template" in str(info.value) and "--chat-template" in str(info.value)
 
 
-def test_a_chat_template_given_to_serve_is_used(tmp_path: Path, gemma: ModelFile) -> None:
-    template = tmp_path / "gemma.jinja"
-    template.write_text(
+async def test_a_chat_template_given_to_the_pipeline_is_used(gemma: ModelFile) -> None:
+    """The pipeline renders chats with `PipelineConfig.chat_template` in place of the
+    model's missing one (`--chat-template FILE` sets it: test_config.py)."""
+    template = (
         "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-        "{{ m['content'] }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n"
+        "{{ m['content'] }}<end_of_turn>\n{% endfor %}{{ '<start_of_turn>model\\n' }}"
+    )  # a literal newline at the very end would be trimmed by Jinja
+    messages = [{"role": "user", "content": "Name a colour."}]
+    async with open_pipeline(gemma, stages=1, threads=2, chat_template=template) as pipeline:
+        ids = pipeline.encode_prompt(messages)
+        result = await pipeline.complete(messages, max_tokens=8)
+    assert gemma.tokenizer.decode(ids) == (
+        "<bos><start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n"
     )
-    args = ["--model", "gemma3-270m", "--stages", "1", "--chat-template", str(template)]
-    live = LiveServer(args, tmp_path / "log")
-    try:
-        live.wait_ready(timeout=300)
-        with live.openai() as client:
-            chat = client.chat.completions.create(
-                model="gemma3-270m",
-                messages=[{"role": "user", "content": "Name a colour."}],
-                max_tokens=8,
-                temperature=0,
-            )
-        assert chat.choices[0].message.content
-        assert chat.usage is not None
-        # <bos>, <start_of_turn>, "user", "\n", the 4 tokens of the question, <end_of_turn>...
-        rendered = gemma.render_chat(
-            [{"role": "user", "content": "Name a colour."}], template=template.read_text()
-        )
-        assert chat.usage.prompt_tokens == len(gemma.tokenizer.encode(rendered, add_bos=False))
-    finally:
-        live.stop()
+    assert result.token_ids and result.text
