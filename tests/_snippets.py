@@ -149,8 +149,9 @@ def stagerun_argv(head: str) -> list[str] | None:
 
 def quick_bench(argv: list[str]) -> list[str]:
     """A `stagerun bench` command with one round of 16 tokens (and a kill after 8 of them;
-    a chat of two turns; one request per client), where it takes those options: every option
-    as written is still used, on a run that takes seconds instead of minutes."""
+    a chat of two turns; one request per client; the first two points of a swept list such
+    as ``--hop-delays 0,5,10,20``), where it takes those options: every option as written is
+    still used, on a run that takes seconds instead of minutes."""
     taken = vars(build_parser().parse_args(argv))
     argv = list(argv)
     quick = (
@@ -169,7 +170,14 @@ def quick_bench(argv: list[str]) -> list[str]:
             argv[argv.index(option) + 1] = value
         else:
             argv += [option, value]
+    for option in SWEPT:
+        if option in argv and "," in argv[argv.index(option) + 1]:
+            at = argv.index(option) + 1
+            argv[at] = ",".join(argv[at].split(",")[:2])
     return argv
+
+
+SWEPT = ("--hop-delays", "--clients", "--stages")  # lists a bench runs one config per item
 
 
 def free_port() -> int:
