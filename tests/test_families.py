@@ -71,13 +71,18 @@ LLAMA_CPP_DIFFERS = {
 }
 
 
+def _options(case: str) -> dict[str, Any]:
+    """The `write_tiny_model` arguments of a case (Llama 3's divisors computed)."""
+    options = dict(CASES[case][0])
+    if options.get("rope_factors") == "llama3":
+        options["rope_factors"] = _llama3_factors()
+    return options
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    options = dict(CASES[request.param][0])
-    if options.get("rope_factors") == "llama3":
-        options["rope_factors"] = _llama3_factors()
-    return request.param, write_tiny_model(folder / "tiny.gguf", **options)
+    return request.param, write_tiny_model(folder / "tiny.gguf", **_options(request.param))
 
 
 def _transformers_logits(path: pathlib.Path, ids: list[int], extra: dict[str, Any]) -> np.ndarray:
@@ -145,9 +150,7 @@ def test_each_trait_matters_to_the_reference(
     case: str, change: dict[str, Any], tmp_path: pathlib.Path
 ) -> None:
     """The oracle can fail: the file with one trait read wrong is far from transformers."""
-    options = dict(CASES[case][0])
-    if options.get("rope_factors") == "llama3":
-        options["rope_factors"] = _llama3_factors()
+    options = _options(case)
     path = write_tiny_model(tmp_path / "m.gguf", **options)
     model = open_model(path)
     model.config = attrs.evolve(model.config, **change)
@@ -185,9 +188,7 @@ def test_the_numpy_backend_passes_the_conformance_suite_on_every_variant(
     case: str, tmp_path: pathlib.Path
 ) -> None:
     """A windowed llama and scaled RoPE (check_family ran the families' own files)."""
-    options = dict(CASES[case][0])
-    if options.get("rope_factors") == "llama3":
-        options["rope_factors"] = _llama3_factors()
+    options = _options(case)
     check_backend(NumpyBackend, open_model(write_tiny_model(tmp_path / "m.gguf", **options)))
 
 
@@ -210,9 +211,7 @@ def test_llama_cpp_runs_each_family_split_in_three(case: str, tmp_path: pathlib.
     """gemma3: the slices hold local layers only, then the global one alone."""
     from stagerun_llamacpp import LlamaCppBackend
 
-    options = dict(CASES[case][0])
-    if options.get("rope_factors") == "llama3":
-        options["rope_factors"] = _llama3_factors()
+    options = _options(case)
     model = open_model(write_tiny_model(tmp_path / "m.gguf", **options))
     full = NumpyBackend(model)
     reference = full.forward(full.new_cache(), 0, tokens=IDS, logits="all")

@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
-import mmap
 import os
 import pathlib
-import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import gguf
@@ -34,6 +31,8 @@ import numpy.typing as npt
 from .._errors import LayerRangeError, ModelError, UnsupportedModelError
 from ._chat import ChatTemplateError, render_chat
 from ._families import FAMILIES, Family
+from ._gguf_file import MAX_GGUF_ARRAY_ITEMS as MAX_GGUF_ARRAY_ITEMS
+from ._gguf_file import GgufReader, check_gguf_header
 from ._resolve import resolve_model
 from ._tokenizer import Tokenizer, eog_ids_from_vocab
 
@@ -48,17 +47,6 @@ __all__ = [
 
 F32 = npt.NDArray[np.float32]
 
-
-# Bounds on a GGUF header, checked before gguf.GGUFReader walks it: the reader builds numpy
-# objects for every array item (~12 us and ~1 KiB each), so a few bytes announcing a long array
-# cost seconds and gigabytes. Every count must also fit in the bytes the file has left.
-MAX_GGUF_KEYS = 1 << 16  # real models carry 30-60 metadata keys
-MAX_GGUF_TENSORS = 1 << 16  # a 30-layer llama has 272 tensors, the largest MoE files a few 1000
-MAX_GGUF_KEY_BYTES = 65535  # the GGUF spec's limit on a key's length
-MAX_GGUF_ARRAY_ITEMS = 1 << 20  # 4x Gemma 3's 262,144-token vocabulary (SmolLM2: 49,152)
-MAX_GGUF_METADATA_ITEMS = 1 << 21  # all arrays together: Gemma 3's tokens+scores+types ~786k
-MAX_GGUF_ARRAY_DEPTH = 2  # arrays of arrays, at most; no model nests deeper
-MAX_GGUF_DIMS = 4  # GGML_MAX_DIMS
 
 ROPE_SCALINGS = ("none", "linear")  # rope_freqs.weight (Llama 3's factors) is read apart
 
@@ -522,43 +510,6 @@ def open_model(name_or_path: str | os.PathLike[str] | ModelFile) -> ModelFile:
     return _open_cached(path, stat.st_mtime_ns, stat.st_size)
 
 
-class GgufReader(gguf.GGUFReader):
-    """``gguf.GGUFReader`` with arrays read in one piece: 0.3 s for Gemma 3's header, not 9.
-
-    The reader builds two numpy views per item of every array (about 12 us each), so the
-    262,144 tokens, scores and types of Gemma 3's vocabulary cost 9 s. Here an array of
-    numbers is one view and a string is a ``memoryview`` slice; ``ReaderField.contents()``
-    returns the same values. (Indexing ``contents(i)`` into a number array is not supported.)
-    """
-
-    def _get_field_parts(
-        self, orig_offs: int, raw_type: int
-    ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[gguf.GGUFValueType]]:
-        if raw_type != _ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype = self._get(orig_offs, np.uint32)
-        count = self._get(orig_offs + 4, np.uint64)
-        offs, n = orig_offs + 12, int(count[0])
-        itype = gguf.GGUFValueType(int(raw_itype[0]))
-        types = [gguf.GGUFValueType.ARRAY, itype]
-        nptype = self.gguf_scalar_to_np.get(itype)
-        if nptype is not None:
-            values = self._get(offs, nptype, n)
-            return 12 + int(values.nbytes), [raw_itype, count, values], [2], types
-        if itype != gguf.GGUFValueType.STRING:
-            return super()._get_field_parts(orig_offs, raw_type)
-        data = memoryview(self.data)  # type: ignore[arg-type]
-        order: Literal["little", "big"] = (
-            sys.byteorder if self.byte_order == "I" else ("big" if sys.byteorder == "little" else "little")
-        )  # fmt: skip
-        parts: list[Any] = [raw_itype, count]
-        for _ in range(n):
-            size = int.from_bytes(data[offs : offs + 8], order)
-            parts.append(data[offs + 8 : offs + 8 + size])
-            offs += 8 + size
-        return offs - orig_offs, parts, list(range(2, 2 + n)), types
-
-
 @functools.lru_cache(maxsize=4)
 def _open_cached(path: pathlib.Path, _mtime_ns: int, _size: int) -> ModelFile:
     # Parsing the header and 49k vocabulary entries takes ~2 s; a process that opens the same
@@ -571,126 +522,3 @@ def _open_cached(path: pathlib.Path, _mtime_ns: int, _size: int) -> ModelFile:
     except Exception as exc:
         raise ModelError(f"{path} is not a readable GGUF file ({exc}).") from exc
     return ModelFile(path, reader)
-
-
-# -- header bounds ------------------------------------------------------------------------
-
-_STRING, _ARRAY = int(gguf.GGUFValueType.STRING), int(gguf.GGUFValueType.ARRAY)
-_SCALAR_BYTES = {int(t): np.dtype(d).itemsize for t, d in gguf.GGUFReader.gguf_scalar_to_np.items()}
-_MIN_ITEM_BYTES = {**_SCALAR_BYTES, _STRING: 8, _ARRAY: 12}  # an empty string or array
-_BLOCKS = {int(t): sizes for t, sizes in gguf.GGML_QUANT_SIZES.items()}  # elements, bytes
-
-
-def check_gguf_header(path: pathlib.Path) -> None:
-    """Walk the header of the GGUF file ``path`` and refuse sizes it cannot hold.
-
-    Reads lengths and counts only, building nothing, in time linear in the header's bytes:
-    every count of keys, tensors, array items and bytes must fit in what the file has left and
-    stay under the ``MAX_GGUF_*`` bounds. A file that is not GGUF v2/v3 is left to the reader.
-
-    Raises:
-        ModelError: a count or length is over a bound or runs past the end of the file.
-    """
-    with path.open("rb") as file:
-        if os.fstat(file.fileno()).st_size < 8:
-            raise ModelError(f"{path} is not a readable GGUF file (it is too short).")
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            if data[:4] != b"GGUF":
-                return
-            # A version with its low half zero was written on a machine of the other byte order.
-            order: Literal["little", "big"] = "little"
-            if int.from_bytes(data[4:8], order) & 0xFFFF == 0:
-                order = "big"
-            if int.from_bytes(data[4:8], order) not in (2, 3):
-                return
-            try:
-                _HeaderWalk(data, order).walk()
-            except _HeaderError as exc:
-                raise ModelError(f"{path} is not a usable GGUF file: {exc}.") from None
-
-
-class _HeaderError(Exception):
-    pass
-
-
-class _HeaderWalk:
-    """A cursor over a GGUF header that checks each length before it is used."""
-
-    def __init__(self, data: mmap.mmap, order: Literal["little", "big"]) -> None:
-        self.data, self.order = data, order
-        self.offset = 8  # past the magic and the version
-        self.items = 0
-
-    def walk(self) -> None:
-        n_tensors = self.count("the tensor count", 32, MAX_GGUF_TENSORS)
-        n_keys = self.count("the metadata key count", 13, MAX_GGUF_KEYS)
-        for _ in range(n_keys):
-            key = self.string("a metadata key", MAX_GGUF_KEY_BYTES)
-            self.value(self.uint(4, f"the type of {key!r}"), repr(key), 0)
-        for _ in range(n_tensors):
-            name = self.string("a tensor name", MAX_GGUF_KEY_BYTES)
-            n_dims = self.uint(4, f"tensor {name!r}'s dimension count")
-            if not 1 <= n_dims <= MAX_GGUF_DIMS:
-                raise _HeaderError(
-                    f"tensor {name!r} has {n_dims} dimensions, not 1 to {MAX_GGUF_DIMS}"
-                )
-            dims = [self.uint(8, f"tensor {name!r}'s shape") for _ in range(n_dims)]
-            qtype = self.uint(4, f"tensor {name!r}'s type")
-            start = self.uint(8, f"tensor {name!r}'s offset")
-            block = _BLOCKS.get(qtype)
-            size = math.prod(dims) * block[1] // block[0] if block else 0
-            if start + size > len(self.data):
-                raise _HeaderError(
-                    f"tensor {name!r} of shape {dims} needs {size} bytes at data offset "
-                    f"{start}, but the file holds {len(self.data)}"
-                )
-
-    def take(self, n: int, what: str) -> int:
-        start, left = self.offset, len(self.data) - self.offset
-        if n > left:
-            raise _HeaderError(f"{what} needs {n} bytes at offset {start}; only {left} follow")
-        self.offset += n
-        return start
-
-    def uint(self, size: int, what: str) -> int:
-        start = self.take(size, what)
-        return int.from_bytes(self.data[start : start + size], self.order)
-
-    def count(self, what: str, item_bytes: int, bound: int) -> int:
-        n = self.uint(8, what)
-        room = (len(self.data) - self.offset) // item_bytes
-        if n > room:
-            raise _HeaderError(f"{what} is {n}, but the rest of the file holds at most {room}")
-        if n > bound:
-            raise _HeaderError(f"{what} is {n}, more than the limit of {bound}")
-        return n
-
-    def string(self, what: str, bound: int) -> str:
-        n = self.count(f"the length of {what}", 1, bound)
-        start = self.take(n, what)
-        return self.data[start : start + min(n, 60)].decode("utf-8", "replace")
-
-    def value(self, vtype: int, what: str, depth: int) -> None:
-        if vtype in _SCALAR_BYTES:
-            self.take(_SCALAR_BYTES[vtype], what)
-        elif vtype == _STRING:
-            self.string(what, len(self.data))
-        elif vtype == _ARRAY and depth < MAX_GGUF_ARRAY_DEPTH:
-            itype = self.uint(4, f"the item type of {what}")
-            item_bytes = _MIN_ITEM_BYTES.get(itype, 1)
-            n = self.count(f"the length of {what}", item_bytes, MAX_GGUF_ARRAY_ITEMS)
-            self.items += n
-            if self.items > MAX_GGUF_METADATA_ITEMS:
-                raise _HeaderError(
-                    f"the metadata arrays hold more than {MAX_GGUF_METADATA_ITEMS} items "
-                    f"(at {what})"
-                )
-            if itype in _SCALAR_BYTES:
-                self.take(n * _SCALAR_BYTES[itype], what)
-            else:
-                for _ in range(n):
-                    self.value(itype, f"an item of {what}", depth + 1)
-        elif vtype == _ARRAY:
-            raise _HeaderError(f"{what} nests arrays deeper than {MAX_GGUF_ARRAY_DEPTH}")
-        else:
-            raise _HeaderError(f"{what} has the unknown value type {vtype}")
