@@ -14,8 +14,15 @@ is how the weights are laid out and how many numpy calls each layer makes:
   panel while the panel is in cache. OpenBLAS's sgemm packs the whole matrix on every call, so
   on plain ``(in, out)`` weights 2..16 rows cost 2-5x one row; on panels a 5-token verify
   window costs 1.3-1.5x a one-token step (10 layers, 1 thread: 8.3 vs 6.3 ms; was 17.9 vs
-  7.6 ms), and one row is passed as two (the batched gemv path is slower than a 2-row gemm).
-  Prompts of 64+ rows run as fast as before on one thread, about 25% slower on two.
+  7.6 ms).
+* Every gemm call computes exactly `_GEMM_ROWS` rows (the last block padded with zero rows),
+  in the matrices and in the attention alike. OpenBLAS sums a row in an order that depends
+  on where the row falls in its call: on AVX2 cores (Haswell kernels, AMD Zen included) the
+  rows of whole 12- and 24-row tiles sum in one order and the remainder rows (8, 4, 2, 1) in
+  others, so a row's bits would depend on how many rows came with it. Calls of one fixed
+  small shape put every row through the same kernel path: measured on Zen with 1 and 2
+  threads, 4-row calls give every row bitwise the same result whatever its place and the
+  other rows (12-row calls do not), and cost no more per row than 2-row calls.
 * The weight rewrites of `stagerun.model.fuse_layer`: Q/K/V and gate/up fused, RMSNorm gains
   folded into the following matrix, 1/sqrt(head_dim) into W_q, and the Q/K rows of each head
   reordered so that RoPE rotates the halves ``(i, i + head_dim/2)`` with contiguous slices and
@@ -58,8 +65,8 @@ __all__ = ["KVBlock", "KVCache", "NumpyBackend"]
 F32 = npt.NDArray[np.float32]
 _CHUNK = 256  # first KV allocation, in tokens; later growth doubles
 _PANEL = 64  # columns per weight panel
-# M*N*K up to which OpenBLAS's sgemm uses its small-matrix kernel (x86-64 SkylakeX and later)
-_SMALL_GEMM = 1_000_000
+_GEMM_ROWS = 4  # rows of every gemm call: one kernel path for every row (see above)
+_ATTENTION_ROWS = 80  # query positions attended at once (bounds the score arrays)
 _KEY_BLOCK = 64  # keys per attention block: every sum over keys has this fixed length
 _controller: ThreadpoolController | None = None
 
@@ -204,46 +211,40 @@ class _Panels:
 
     def __init__(self, w: F32, gain: F32 | None = None) -> None:
         self.data, self.n_out = _panel_data(w.T, gain), w.shape[1]
-        self.row_block = _row_block(w.shape[0])
+        self.row_block = _GEMM_ROWS
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.data.shape[1], self.n_out)
 
 
-def _attention_rows(head_dim: int) -> int:
-    """Query rows per attention gemm: scores and weighted values stay in the small kernel."""
-    return max(2, _SMALL_GEMM // (_KEY_BLOCK * head_dim))
+def _in_blocks(x: F32, rows: int, axis: int) -> F32:
+    """``x`` with its ``axis`` cut into blocks of exactly ``rows`` (zero rows pad the last).
 
-
-def _row_block(n_in: int) -> int:
-    """Rows per gemm call for ``n_in`` inputs: each call stays in the small-matrix kernel."""
-    return max(2, _SMALL_GEMM // (_PANEL * n_in))
+    The blocks become a new axis before ``axis``, so a batched matmul over them makes one
+    gemm call of ``rows`` rows per block.
+    """
+    n = x.shape[axis]
+    pad = -n % rows
+    if pad:
+        shape = list(x.shape)
+        shape[axis] = pad
+        x = np.concatenate([x, np.zeros(shape, np.float32)], axis=axis)
+    blocked: F32 = x.reshape(*x.shape[:axis], -1, rows, *x.shape[axis + 1 :])
+    return blocked
 
 
 def _matmul(x: F32, w: _Panels) -> F32:
     """``x @ W`` for ``x`` of shape ``[T, in]``: ``[T, out]``, each row independent of the others.
 
-    Rows go through in blocks of at most ``w.row_block``: every gemm call is then small
-    enough for OpenBLAS's small-matrix kernel, whose rows come out bitwise the same whatever
-    the other rows of the call and the row's place among them (a larger call switches to
-    the blocked kernel, which sums in another order). One row goes as two: the batched gemv
-    path is slower than a 2-row gemm.
+    Every gemm call computes exactly ``w.row_block`` rows of one panel, so each row takes
+    the same kernel path whatever the rows beside it (see the module docstring).
     """
-    n, block = x.shape[0], w.row_block
-    if n <= block:
-        y = np.matmul(x if n > 1 else np.concatenate([x, np.zeros_like(x)]), w.data)
-        whole: F32 = y.transpose(1, 0, 2).reshape(y.shape[1], -1)
-        return whole[:n, : w.n_out]
-    out: F32 = np.empty((n, w.data.shape[0] * _PANEL), np.float32)
-    for start in range(0, n, block):
-        piece = x[start : start + block]
-        rows = piece.shape[0]
-        if rows == 1:
-            piece = np.concatenate([piece, np.zeros_like(piece)])
-        y = np.matmul(piece, w.data)  # [P, rows, PANEL]
-        out[start : start + rows] = y.transpose(1, 0, 2).reshape(piece.shape[0], -1)[:rows]
-    return out[:, : w.n_out]
+    n = x.shape[0]
+    rows = min(w.row_block, max(n, _GEMM_ROWS))  # a block is never padded past the rows there are
+    y = np.matmul(_in_blocks(x, rows, 0)[:, None], w.data)  # [C, P, rows, PANEL]
+    out: F32 = y.transpose(0, 2, 1, 3).reshape(-1, y.shape[1] * _PANEL)
+    return out[:n, : w.n_out]
 
 
 def _silu(g: F32) -> F32:
@@ -419,7 +420,7 @@ class NumpyBackend(GgufLayers):
     def forward_batch(self, items: Sequence[ForwardItem]) -> list[F32 | ComputeCancelled]:
         """Several sessions in one pass: rows stacked for the matrices, attention per session.
 
-        Every matrix product runs in row blocks of a fixed bound (`_matmul`), so a row's
+        Every matrix product runs in row blocks of one fixed size (`_matmul`), so a row's
         result never depends on the rows beside it: each item's result is bitwise what it
         would be alone. An item whose ``should_stop`` says so leaves the batch at that layer
         boundary (its cache back at its position); the others go on.
@@ -577,7 +578,7 @@ class NumpyBackend(GgufLayers):
         values = cache._v[i, :, :span].reshape(n_kv, n_blocks, _KEY_BLOCK, hd)
         q = qkv[:, : c.n_heads * hd].reshape(n, n_kv, group, hd)
         out: F32 = np.empty((n, c.n_heads * hd), np.float32)
-        step = max(1, _attention_rows(hd) // group)
+        step = _ATTENTION_ROWS
         window, cap = self._windows[i], np.float32(c.attn_softcap)
         for t0 in range(0, n, step):
             t1 = min(n, t0 + step)
@@ -601,13 +602,14 @@ class NumpyBackend(GgufLayers):
         keys_t, values = keys_t[:, lo:n_blocks], values[:, lo:n_blocks]
         base, n_blocks = lo * _KEY_BLOCK, n_blocks - lo
         span = base + n_blocks * _KEY_BLOCK
-        rows = q.transpose(1, 2, 0, 3).reshape(n_kv, group * m, hd)
-        pad = rows.shape[1] == 1  # one row would take the gemv path, which sums otherwise
-        if pad:
-            rows = np.concatenate([rows, np.zeros_like(rows)], axis=1)
-        s: F32 = rows[:, None] @ keys_t  # [n_kv, blocks, rows, KEY_BLOCK]
-        if pad:
-            s = s[:, :, :1]
+        n_rows = group * m
+        rows = _in_blocks(q.transpose(1, 2, 0, 3).reshape(n_kv, n_rows, hd), _GEMM_ROWS, 1)
+        # one gemm of _GEMM_ROWS rows per (kv head, key block, row block): [n_kv, blocks, R, 64]
+        s: F32 = np.matmul(rows[:, None], keys_t[:, :, None]).reshape(
+            n_kv, n_blocks, -1, _KEY_BLOCK
+        )
+        if s.shape[2] != n_rows:  # padded: keep the real rows, contiguous (views follow)
+            s = np.ascontiguousarray(s[:, :, :n_rows])
         if cap:
             s /= cap
             np.tanh(s, out=s)
@@ -628,11 +630,9 @@ class NumpyBackend(GgufLayers):
         s -= s.max(axis=3, keepdims=True).max(axis=1, keepdims=True)
         np.exp(s, out=s)
         per_block = s.sum(axis=-1)  # [n_kv, blocks, rows]
-        if pad:
-            s = np.concatenate([s, np.zeros_like(s)], axis=2)
-        weighted = s @ values  # [n_kv, blocks, rows, hd]
-        if pad:
-            weighted = weighted[:, :, :1]
+        weighted: F32 = np.matmul(_in_blocks(s, _GEMM_ROWS, 2), values[:, :, None]).reshape(
+            n_kv, n_blocks, -1, hd
+        )[:, :, :n_rows]  # [n_kv, blocks, rows, hd]
         mass, o = per_block[:, 0].copy(), weighted[:, 0].copy()
         for b in range(1, n_blocks):  # in order: a fixed sum whatever the row count
             mass += per_block[:, b]
