@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from stagerun import ComputeCancelled
 from stagerun._decide._ticks import Waiting, choose_tick
-from stagerun._stage._scheduler import TickInfo, TickScheduler
+from stagerun._engine._scheduler import TickInfo, TickScheduler
 from stagerun.abc import ForwardItem, run_batch
 from stagerun.backends import NumpyBackend
 from stagerun.testing import write_tiny_model
@@ -478,7 +478,7 @@ async def test_concurrent_requests_get_their_solo_tokens_greedy_seeded_and_specu
 
 
 async def test_ticks_give_freed_memory_back_now_and_then(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stagerun._stage import _scheduler
+    from stagerun._engine import _scheduler
 
     calls: list[float] = []
     monkeypatch.setattr(_scheduler, "release_free_memory", lambda: calls.append(1.0))

@@ -116,7 +116,7 @@ async def test_stage_threads_reach_the_backends(tmp_path: pathlib.Path) -> None:
     config = PipelineConfig(stages=3, stage_threads=(3, 1, 2))
     async with stagerun.open_pipeline(model, config) as pipeline:
         await pipeline.complete("hello", max_tokens=2)
-        assert pipeline._backend0.threads == 3
+        assert pipeline.engine.backend.threads == 3
     assert [s.threads for s in plan(config, 3).stages] == [3, 1, 2]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -110,8 +109,8 @@ class FakeLane:
 async def _send(
     lane: FakeLane, tokens: int, credit: int, estimate: PrefillTransportEstimate | None = None
 ) -> PrefillReport:
-    async def compute0(position: int, piece: Sequence[int]) -> npt.NDArray[np.float32]:
-        return np.zeros((len(piece), 4), np.float32)
+    async def compute0(chunk: _proto.Prefill) -> npt.NDArray[np.float32]:
+        return np.zeros((len(chunk.tokens), 4), np.float32)
 
     return await send_prefill(
         lane,  # type: ignore[arg-type]

@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stagerun import SamplingParams, SpeculationConfig, TokenChunk, _proto, open_pipeline
-from stagerun._stage._budget import SessionBudget
-from stagerun._stage._prefix import PrefixCache
-from stagerun._stage._session import Session
+from stagerun._engine._budget import SessionBudget
+from stagerun._engine._prefix import PrefixCache
+from stagerun._engine._session import Session
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
 
@@ -230,7 +230,7 @@ async def test_a_tiny_cache_evicts_and_the_output_stays_the_same(
     system, asks = _conversation(7, turns=5)
     want = await _reference(tiny_model_path, system, asks)
     async with open_pipeline(tiny_model_path, stages=3, prefix_cache_mb=1) as pipeline:
-        per_block = pipeline._backend0.export_kv(_filled(pipeline), 0, BLOCK).nbytes
+        per_block = pipeline.engine.backend.export_kv(_filled(pipeline), 0, BLOCK).nbytes
         pipeline.prefix_cache.max_bytes = 3 * per_block  # three blocks on stage 0
         got, cached = await _chat(pipeline, system, asks)
         assert got == want
@@ -239,8 +239,8 @@ async def test_a_tiny_cache_evicts_and_the_output_stays_the_same(
 
 
 def _filled(pipeline: Any) -> Any:
-    cache = pipeline._new_cache()
-    pipeline._backend0.forward(cache, 0, tokens=list(range(3, 3 + BLOCK)))
+    cache = pipeline.engine.backend.new_cache()
+    pipeline.engine.backend.forward(cache, 0, tokens=list(range(3, 3 + BLOCK)))
     return cache
 
 

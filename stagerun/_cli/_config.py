@@ -12,7 +12,7 @@ from typing import Any
 
 from .._driver._config import PipelineConfig
 from .._driver._topology import load_topology
-from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB
+from .._engine._prefix import DEFAULT_PREFIX_CACHE_MB
 from ._options import recovery_from_args, speculation_from_args
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._driver._config import DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES, SpeculationConfig
-from .._stage._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
+from .._engine._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
 from .._stage._server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HANDSHAKES
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
 from ._bench_options import _request_selector as _request_selector  # re-exported (tests use it)

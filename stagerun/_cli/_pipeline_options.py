@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB
+from .._engine._prefix import DEFAULT_PREFIX_CACHE_MB
 
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are 1-10 kB
 

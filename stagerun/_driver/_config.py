@@ -24,8 +24,8 @@ import attrs
 
 from .. import _decide, plugins
 from .._decide._prefill import ChunkPolicy
+from .._engine._prefix import DEFAULT_PREFIX_CACHE_MB
 from .._proto import ActivationDType
-from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB
 from .._wire._framed import LinkEmulation
 
 Mode = Literal["inproc", "processes"]

@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from .. import plugins
-from .._stage._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
+from .._engine import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
 from .._stage._server import serve_stage
 from .._util import single_exceptions
 from .._wire._auth import SECRET_FILE_ENV, lane_secret
@@ -129,8 +129,8 @@ async def open_pipeline(
                 prefill_credit=config.prefill_credit,
                 speculation=config.speculation,
                 recovery=config.recovery,
-                prefix_cache_bytes=config.prefix_cache_bytes,
                 chat_template=config.chat_template,
+                **_stage_limits(model_file, config),  # stage 0 is bounded as the others are
             )
             try:
                 yield pipeline

@@ -13,7 +13,9 @@ prediction comes straight back from the last stage. On success the pool ends the
 whether the request resumes on a new lane by replaying its committed tokens. With a drafter,
 decoding goes through pipelined verify windows instead (`stagerun._driver._speculative`).
 Each request is a `stagerun._driver._request.Request`; `Pipeline` holds what requests share
-(the model, stage 0's backend and its tick scheduler, the pool, the settings, the counters).
+(the model, stage 0's engine, the pool, the settings, the counters). Stage 0's engine
+(`stagerun._engine.StageEngine`) is the one every stage holds: its tick scheduler batches the
+requests' stage-0 forwards, its prefix cache and session budget bound what they keep.
 """
 
 from __future__ import annotations
@@ -24,12 +26,11 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import trio
 
-from .. import _proto, plugins, telemetry
+from .. import _proto, plugins
 from .._decide._prefill import (
     AdaptiveRamp,
     ChunkPolicy,
@@ -37,12 +38,18 @@ from .._decide._prefill import (
     ScheduleChunks,
     parse_chunk_policy,
 )
+from .._engine import (
+    DEFAULT_MAX_KV_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_PREFIX_CACHE_MB,
+    PrefixCache,
+    StageEngine,
+    TickScheduler,
+)
 from .._errors import LaneError
-from .._stage._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, keep_blocks, restore_blocks
-from .._stage._scheduler import TickInfo, TickScheduler
 from .._util import single_exceptions
 from .._wire._connect import ENV_SECRET, alternatives, open_connection
-from ..abc import ComputeBackend, Drafter, ForwardItem, exports_kv
+from ..abc import ComputeBackend, Drafter
 from ..model import ModelFile
 from ._config import DEFAULT_PREFILL_CREDIT, RecoveryPolicy, SpeculationConfig
 from ._lanes import LanePool
@@ -84,6 +91,8 @@ class Pipeline:
         speculation: SpeculationConfig | None = None,
         recovery: RecoveryPolicy | None = None,
         max_batch: int | None = None,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
         chat_template: str | None = None,
     ) -> None:
@@ -107,18 +116,33 @@ class Pipeline:
             raise ValueError(f"prefill_credit must be at least 1, got {prefill_credit}")
         self.prefill_credit = prefill_credit
         self.last_prefill: PrefillReport | None = None
-        self._backend0 = backend0
-        self.scheduler = TickScheduler(backend0, max_items=max_batch, gather=GATHER_GROUPS)
-        # Stage 0's own prefix cache; without it no request asks the stages for theirs.
-        self.prefix_cache: PrefixCache | None = None
-        if prefix_cache_bytes > 0 and exports_kv(backend0):
-            self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # Stage 0's compute, bounded like every stage's. Without a prefix cache here no
+        # request asks the stages for theirs.
+        self.engine = StageEngine(
+            backend0,
+            index=0,
+            max_batch=max_batch,
+            gather=GATHER_GROUPS,
+            max_sessions=max_sessions,
+            max_kv_tokens=max_kv_tokens,
+            prefix_cache_bytes=prefix_cache_bytes,
+        )
         self.prefix_salt = secrets.token_bytes(16)  # keys the block names (`_proto._prefix`)
         self._shared_drafters: dict[tuple[str, str | None], Drafter] = {}
 
     def __repr__(self) -> str:
         layout = ",".join(f"{lo}-{hi}" for lo, hi in (s.layers for s in self.stages))
         return f"<Pipeline model={self.config.name!r} stages={len(self.stages)} layers={layout} pool={self.pool!r}>"
+
+    @property
+    def scheduler(self) -> TickScheduler:
+        """Stage 0's tick scheduler (its engine's)."""
+        return self.engine.scheduler
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """Stage 0's prefix cache (its engine's), or None when it is off."""
+        return self.engine.prefix_cache
 
     async def check_health(self, timeout: float = 1.0) -> list[StageHealth]:
         """Probe every stage at once: a handshake must complete within ``timeout`` seconds.
@@ -305,37 +329,6 @@ class Pipeline:
             cache_salt=cache_salt,
         )
 
-    async def _compute0(
-        self,
-        cache: Any,
-        position: int,
-        tokens: Sequence[int],
-        logits: Literal["last", "all"] = "last",
-        *,
-        request_id: int | None = None,
-        window_id: int | None = None,
-        prefill: bool = False,
-    ) -> np.ndarray[Any, Any]:
-        ids = np.asarray(tokens, dtype=np.int64)
-        tick = TickInfo()
-        item = ForwardItem(cache, position, tokens=ids, logits=logits)
-        out = await self.scheduler.forward(item, prefill=prefill, tick=tick)
-        started = telemetry.now_ns() - int((time.perf_counter() - tick.started) * 1e9)
-        tel = telemetry.current()
-        if tel.debug_enabled and request_id is not None:
-            attributes: dict[str, Any] = {
-                "llama_stage.stage_index": 0,
-                "llama_stage.request_id": request_id,
-                "llama_stage.pos_start": position,
-                "llama_stage.token_count": len(ids),
-                "llama_stage.elapsed_ms": tick.seconds * 1000.0,
-                "llama_stage.batch_size": tick.batch,
-            }
-            if window_id is not None:
-                attributes["llama_stage.verify_window_id"] = window_id
-            tel.debug_span("stage.binary_llama_decode", started, attributes)
-        return out
-
     async def _run(
         self,
         prompt_ids: list[int],
@@ -344,10 +337,14 @@ class Pipeline:
         emit: Callable[[TokenChunk], Any],
         **options: Any,
     ) -> Completion:
-        return await Request(self, prompt_ids, max_tokens, sampling, emit, **options).run()
-
-    def _new_cache(self) -> Any:
-        return self._backend0.new_cache()
+        request = Request(self, prompt_ids, max_tokens, sampling, emit, **options)
+        try:
+            return await request.run()
+        finally:  # what the request counted, whichever way it ended
+            self.recoveries += request.recoveries
+            self.recovery_failures += request.recovery_failed
+            if request.last_prefill is not None:
+                self.last_prefill = request.last_prefill
 
     def _prefix_key(self, cache_salt: str | None) -> bytes:
         """The key of a request's block names: the pipeline's salt, mixed with the request's."""
@@ -355,42 +352,18 @@ class Pipeline:
             return self.prefix_salt
         return hashlib.blake2b(cache_salt.encode(), digest_size=16, key=self.prefix_salt).digest()
 
-    async def _restore_prefix(
-        self, context: Sequence[int], cache_salt: str | None = None
-    ) -> tuple[Any, list[int]]:
-        """A new cache for ``context``, started from stage 0's prefix cache.
-
-        Returns the cache and the names of the blocks restored into it (to ask the stages
-        for). The last token of ``context`` is never restored: its logits are needed.
-        """
-        cache = self._new_cache()
-        prefix = self.prefix_cache
-        if prefix is None:
-            return cache, []
-        names = _proto.prefix_chain(
-            context,
-            self._prefix_key(cache_salt),
-            blocks=(len(context) - 1) // _proto.PREFIX_BLOCK,
-        )
-        held = await restore_blocks(prefix, self._backend0, cache, names)
-        return cache, names[:held]
-
-    async def _remember_prefix(
-        self, cache: Any, tokens: Sequence[int], length: int, cache_salt: str | None = None
+    def prefix_names(
+        self, tokens: Sequence[int], cache_salt: str | None = None, blocks: int | None = None
     ) -> list[int]:
-        """Keep the whole blocks of ``cache``'s first ``length`` positions (``tokens``'s).
+        """The names of the whole blocks of ``tokens`` (the first ``blocks`` of them).
 
-        Returns their names, for the stages' ``Remember`` (empty with the prefix cache off).
+        Names are keyed by the pipeline's salt mixed with ``cache_salt``: requests share
+        cached prefixes only with requests of the same salt.
         """
-        prefix = self.prefix_cache
-        if prefix is None:
-            return []
-        key = self._prefix_key(cache_salt)
-        names = _proto.prefix_chain(tokens[: min(length, cache.length)], key)
-        await keep_blocks(prefix, self._backend0, cache, names)
-        return names
+        return _proto.prefix_chain(tokens, self._prefix_key(cache_salt), blocks=blocks)
 
-    def _make_drafter(self, config: SpeculationConfig) -> Drafter:
+    def make_drafter(self, config: SpeculationConfig) -> Drafter:
+        """A drafter for ``config``: a new one per request, or the pipeline's shared one."""
         cls = plugins.drafter(config.drafter)
         options = DrafterContext(self.model, config.draft_model)
         create = getattr(cls, "create", None)

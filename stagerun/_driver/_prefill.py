@@ -6,7 +6,7 @@ to the next one while the later stages work: up to ``credit`` chunks may be unac
 Each ack carries the whole chain's statistics for its chunk (`_proto.StageStats`, merged
 hop by hop); they are folded into the lane pool's EWMA transport estimate, which seeds the
 planner of the next request. The last chunk asks the last stage for a prediction, which
-comes back on the return connection (`Pipeline` reads it).
+comes back on the return connection (`stagerun._driver._route.LaneRoute` reads it).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class _ChunkSender:
         lane: Lane,
         request_id: int,
         *,
-        compute0: Callable[[int, Sequence[int]], Awaitable[np.ndarray[Any, Any]]],
+        compute0: Callable[[_proto.Prefill], Awaitable[np.ndarray[Any, Any]]],
         credit: int,
         wire_dtype: _proto.ActivationDType,
         configure_owed: bool,
@@ -95,19 +95,16 @@ class _ChunkSender:
         Returns when the chunk started (`time.perf_counter`) and stage 0's view of it.
         """
         started = time.perf_counter()
-        hidden = await self._compute0(position, piece)
-        computed = time.perf_counter()
-        await self._lane.send(
-            _proto.Prefill(
-                request_id=self._request_id,
-                chunk_index=index,
-                position=position,
-                tokens=tuple(piece),
-                predict=last,
-            ),
-            hidden,
-            self._wire_dtype,
+        message = _proto.Prefill(
+            request_id=self._request_id,
+            chunk_index=index,
+            position=position,
+            tokens=tuple(piece),
+            predict=last,
         )
+        hidden = await self._compute0(message)
+        computed = time.perf_counter()
+        await self._lane.send(message, hidden, self._wire_dtype)
         written = time.perf_counter()
         self._configure_wait = 0.0
         if not last:
@@ -143,7 +140,7 @@ async def send_prefill(
     request_id: int,
     prompt_ids: Sequence[int],
     *,
-    compute0: Callable[[int, Sequence[int]], Awaitable[np.ndarray[Any, Any]]],
+    compute0: Callable[[_proto.Prefill], Awaitable[np.ndarray[Any, Any]]],
     policy: ChunkPolicy,
     credit: int,
     wire_dtype: _proto.ActivationDType,
@@ -153,7 +150,7 @@ async def send_prefill(
 ) -> PrefillReport:
     """Send ``prompt_ids[start:]`` in planned chunks, up to ``credit`` of them unacknowledged.
 
-    ``compute0(position, tokens)`` runs stage 0's layers (every row's activations).
+    ``compute0(chunk)`` runs stage 0's layers for one ``Prefill`` (every row's activations).
     Stage 0 computes chunk i+1 while the later stages work on chunk i. The acks of the chunks
     before the last are drained before this returns; the caller then reads the last chunk's
     prediction. ``estimate`` (the pool's) seeds the planner and learns from this prefill.

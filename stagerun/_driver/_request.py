@@ -12,7 +12,10 @@ every stage). Tokens are committed one by one (`Request.commit`): text assembly 
 strings happens there, so a recovery never emits a token twice. `Request.completion` turns
 the finished request into a `Completion` with its timings and summary spans.
 
-With one stage the lane is a `LocalLane`: stage 0 computes the logits and it samples them.
+Stage 0's own compute is its engine's (`stagerun._engine.StageEngine`), like any stage's: the
+request opens a session on it for each attempt, restored from stage 0's prefix cache and
+bounded by its budget. The rest of the way is a `stagerun._driver._route.Route`: a lane of
+the pool, or, with one stage, the engine answering what stage 0 computes.
 """
 
 from __future__ import annotations
@@ -29,16 +32,15 @@ import trio
 
 from .. import _proto, telemetry
 from .._decide._prefill import ChunkPolicy
-from .._decide._sampling import sample_token
+from .._engine import Session, StageEngine
 from .._errors import LaneError, RecoveryFailedError, StageError, StageGivenUpError
-from .._stage._scheduler import TickScheduler
 from .._text import TextAssembler
 from ..abc import Drafter
 from ..model import ModelFile
 from ._config import RecoveryPolicy, SpeculationConfig
-from ._lanes import Lane, LanePool
-from ._local import LocalLane
-from ._prefill import PrefillReport, send_prefill
+from ._lanes import LanePool
+from ._prefill import PrefillReport
+from ._route import LaneRoute, LocalRoute, PrefillSettings, Route
 from ._speculative import SpeculativeDecode
 from ._supervise import given_up
 from ._values import Completion, StageInfo, TokenChunk
@@ -68,34 +70,17 @@ class StageZero(Protocol):
     wire_dtype: _proto.ActivationDType
     prefill_policy: ChunkPolicy
     prefill_credit: int
-    last_prefill: PrefillReport | None
-    recoveries: int
-    recovery_failures: int
-    scheduler: TickScheduler  # stage 0's compute, batched over its requests
+    engine: StageEngine  # stage 0's compute, prefix cache and session budget
 
-    def _new_cache(self) -> Any: ...
+    def prefix_names(
+        self, tokens: Sequence[int], cache_salt: str | None, blocks: int | None = None
+    ) -> list[int]:
+        """The names of ``tokens``'s whole blocks (the first ``blocks``), keyed by the salt."""
+        ...
 
-    async def _restore_prefix(
-        self, context: Sequence[int], cache_salt: str | None = None
-    ) -> tuple[Any, list[int]]: ...
-
-    async def _remember_prefix(
-        self, cache: Any, tokens: Sequence[int], length: int, cache_salt: str | None = None
-    ) -> list[int]: ...
-
-    def _make_drafter(self, config: SpeculationConfig) -> Drafter: ...
-
-    async def _compute0(
-        self,
-        cache: Any,
-        position: int,
-        tokens: Sequence[int],
-        logits: Literal["last", "all"] = "last",
-        *,
-        request_id: int | None = None,
-        window_id: int | None = None,
-        prefill: bool = False,
-    ) -> np.ndarray[Any, Any]: ...
+    def make_drafter(self, config: SpeculationConfig) -> Drafter:
+        """A drafter for ``config`` (per request, or the pipeline's shared one)."""
+        ...
 
 
 @attrs.define
@@ -135,10 +120,11 @@ class Request:
             )
         config = speculation or pipeline.speculation
         if drafter is None and config.enabled:
-            drafter = pipeline._make_drafter(config)
+            drafter = pipeline.make_drafter(config)
         if drafter is not None and not config.enabled:
             config = attrs.evolve(config, drafter="ngram")  # an explicit drafter turns it on
         self.pipeline = pipeline
+        self.engine = pipeline.engine
         self.prompt_ids = prompt_ids
         self.max_tokens = min(max_tokens, context - len(prompt_ids))
         self.sampling = sampling
@@ -150,8 +136,12 @@ class Request:
         self.eog = frozenset[int]() if ignore_eog else pipeline.model.config.eog_ids
         self.request_id = secrets.randbits(62)
         self.generated: list[int] = []
-        self.cache = pipeline._new_cache()
+        self.session: Session  # on stage 0, for the attempt running (`attempt`)
         self.extra: dict[str, Any] = {}  # timings beyond the standard ones
+        # What the pipeline counts of this request (`stagerun.Pipeline` adds them up).
+        self.recoveries = 0
+        self.recovery_failed = False
+        self.last_prefill: PrefillReport | None = None
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
         self._decoder = pipeline.model.tokenizer.stream_decoder()
@@ -173,20 +163,47 @@ class Request:
         """Generate to the end, recovering from lane failures; return the `Completion`."""
         pool = self.pipeline.pool
         if pool is None:
-            local = LocalLane(self.sampling)
-            eog_stop = await self.decode(local)
-            await self.remember(local)
-            return await self.completion(eog_stop)
+            return await self.completion(await self.attempt(LocalRoute(self.engine)))
         attempt = _Attempt()
         while True:
             try:
                 async with pool.checkout(self.request_id) as lane:
-                    eog_stop = await self.decode(lane)
-                    await self.remember(lane)
+                    eog_stop = await self.attempt(LaneRoute(lane, self._prefill_settings()))
                 break
             except (LaneError, StageError) as exc:
                 await self.recover(exc, attempt)
         return await self.completion(eog_stop)
+
+    def _prefill_settings(self) -> PrefillSettings:
+        pipeline = self.pipeline
+        assert pipeline.pool is not None
+        return PrefillSettings(
+            policy=pipeline.prefill_policy,
+            credit=pipeline.prefill_credit,
+            wire_dtype=pipeline.wire_dtype,
+            estimate=pipeline.pool.prefill_transport,
+        )
+
+    async def attempt(self, route: Route) -> bool:
+        """One attempt on a fresh session and route: decode, then remember; True on EOG.
+
+        The session on stage 0 is closed whichever way the attempt ends.
+        """
+        context = replay_context(self.prompt_ids, self.generated)
+        self.session = self.engine.open(self.request_id, self.sampling, len(self.prompt_ids))
+        try:
+            names: list[int] = []
+            if self.engine.prefix_cache is not None:
+                names = self.pipeline.prefix_names(
+                    context, self.cache_salt, blocks=(len(context) - 1) // _proto.PREFIX_BLOCK
+                )
+                restored = await self.engine.restore(self.session, names)
+                names = names[: restored // _proto.PREFIX_BLOCK]
+            eog_stop = await self.decode(route, context, names)
+            await self.remember(route)
+            return eog_stop
+        finally:
+            self.engine.close(self.session)
 
     async def commit(self, token: int) -> bool:
         """Emit one generated token; True when a stop string ended generation."""
@@ -196,30 +213,21 @@ class Request:
 
     def load(self) -> float:
         """How busy stage 0's compute has been in the last second (0..1)."""
-        return self.pipeline.scheduler.recent_busy()
+        return self.engine.scheduler.recent_busy()
 
-    async def compute(
-        self, position: int, tokens: Sequence[int], logits: str, window_id: int | None = None
-    ) -> Any:
-        """Stage 0's own layers for ``tokens`` at ``position``, on this request's cache."""
-        return await self.pipeline._compute0(
-            self.cache,
-            position,
-            tokens,
-            logits,  # type: ignore[arg-type]
-            request_id=self.request_id,
-            window_id=window_id,
-        )
+    async def compute(self, message: _proto.ActivationMessage) -> np.ndarray[Any, Any]:
+        """Stage 0's own layers for ``message``, on this request's session."""
+        out, _stats = await self.engine.compute(self.session, message)
+        return out
 
-    async def decode(self, lane: Lane | LocalLane) -> bool:
-        """Prefill the committed tokens, then decode; True if EOG ended generation.
+    async def decode(self, route: Route, context: list[int], names: list[int]) -> bool:
+        """Prefill ``context`` from the restored blocks ``names``, then decode; True on EOG.
 
-        A first call prefills the prompt; after a recovery the prompt and every token
+        A first attempt prefills the prompt; after a recovery the prompt and every token
         generated so far are replayed, and decoding continues from there.
         """
-        context = replay_context(self.prompt_ids, self.generated)
         replay_start = time.perf_counter()
-        first = await self.first_token(lane, context)
+        first = await self.first_token(route, context, names)
         if self.t_first is None:
             self.t_first = time.perf_counter()
         else:  # a recovery: the replay took this long
@@ -229,105 +237,53 @@ class Request:
         if await self.commit(first) or len(self.generated) >= self.max_tokens:
             return False
         if self.drafter is not None:
-            spec_timings, reason = await SpeculativeDecode(self, lane, [*context, first]).run()
+            spec_timings, reason = await SpeculativeDecode(self, route, [*context, first]).run()
             self.extra.update(spec_timings)  # after a recovery: the last stretch's figures
             return reason == "eog"
-        return await self.decode_plain(lane, first, len(context))
+        return await self.decode_plain(route, first, len(context))
 
-    async def first_token(self, lane: Lane | LocalLane, context: list[int]) -> int:
+    async def first_token(self, route: Route, context: list[int], names: list[int]) -> int:
         """Prefill ``context`` and return the token that follows it.
 
         The prefill starts from the longest prefix that stage 0 and every stage hold in their
-        prefix caches: stage 0 restores its own, and asks the stages for the same blocks in
-        ``Configure``; their ``Ack`` says how far all of them got (a stage that was
-        restarted, or evicted some, holds less), and the prefill starts there. Then the
-        context's blocks are remembered on every stage for later requests.
+        prefix caches (stage 0 restored ``names``; the route asks the stages for the same).
+        Then the context's blocks are remembered on every stage for later requests.
         """
-        self.cache, names = await self.pipeline._restore_prefix(context, self.cache_salt)
-        if isinstance(lane, LocalLane):  # one compute of the rest of the prompt, as alone
-            start = len(names) * _proto.PREFIX_BLOCK
-            logits = await self.pipeline._compute0(
-                self.cache, start, context[start:], request_id=self.request_id, prefill=True
-            )
-            token = sample_token(logits[-1], self.sampling, len(context))
-        else:
-            token, start = await self._prefill(lane, context, names)
-        self.extra["prefix_cached_tokens"] = start  # of the last prefill (a recovery's, too)
-        await self.remember(lane, context, len(context))
-        return token
-
-    async def _prefill(self, lane: Lane, context: list[int], names: list[int]) -> tuple[int, int]:
-        """Configure the request on the lane and prefill ``context`` from the cached prefix.
-
-        Returns the token that follows and the position the prefill started from.
-        """
-        await lane.send(
-            _proto.Configure(
-                request_id=self.request_id,
-                return_key=lane.return_key,
-                prompt_len=len(self.prompt_ids),
-                sampling=self.sampling,
-                prefix=tuple(names),
-            )
-        )
-        start = 0
-        if names:  # the stages say how much of it they hold before anything is sent
-            start = min(len(names) * _proto.PREFIX_BLOCK, (await lane.receive_ack()).cached)
-
-        async def compute(position: int, tokens: Sequence[int]) -> np.ndarray[Any, Any]:
-            return await self.pipeline._compute0(
-                self.cache,
-                position,
-                tokens,
-                logits="all",
-                request_id=self.request_id,
-                prefill=True,
-            )
-
-        pipeline = self.pipeline
-        assert pipeline.pool is not None  # a real lane comes from the pool
-        report = await send_prefill(
-            lane,
-            self.request_id,
-            context,
-            compute0=compute,
-            policy=pipeline.prefill_policy,
-            credit=pipeline.prefill_credit,
-            wire_dtype=pipeline.wire_dtype,
-            estimate=pipeline.pool.prefill_transport,
-            start=start,
-            # Without a prefix to ask about, Configure's ack is not waited for: the stages
-            # handle frames in order, so the prefill follows at once and `send_prefill`
-            # reads that ack with its own (a round trip of the whole chain less).
-            configure_owed=not names,
-        )
-        pipeline.last_prefill = report
-        self.extra["prefill_chunks"] = self.extra.get("prefill_chunks", 0) + report.chunks
-        reply = await lane.receive_predictions(self.request_id)
-        return int(reply.tokens[-1]), start
+        prefilled = await route.prefill(self, context, names)
+        self.extra["prefix_cached_tokens"] = prefilled.start  # of the last prefill
+        if prefilled.report is not None:
+            self.last_prefill = prefilled.report
+            chunks = self.extra.get("prefill_chunks", 0) + prefilled.report.chunks
+            self.extra["prefill_chunks"] = chunks
+        await self.remember(route, context, len(context))
+        return prefilled.token
 
     async def remember(
-        self, lane: Lane | LocalLane, tokens: Sequence[int] | None = None, length: int = 0
+        self, route: Route, tokens: Sequence[int] | None = None, length: int = 0
     ) -> None:
         """Keep the whole blocks of the first ``length`` positions on every stage.
 
         By default, at the end of the request: every committed token but the last, which was
         never fed (a later turn of a chat starts with them). Stage 0 keeps its own, and the
-        stages theirs (``Remember``, not acknowledged: they copy while stage 0 goes on).
+        route has the stages keep theirs.
         """
+        if self.engine.prefix_cache is None:
+            return
         if tokens is None:
             tokens = replay_context(self.prompt_ids, self.generated)
             length = len(tokens) - 1
-        names = await self.pipeline._remember_prefix(self.cache, tokens, length, self.cache_salt)
-        if names and isinstance(lane, Lane):
-            await lane.send(_proto.Remember(request_id=self.request_id, prefix=tuple(names)))
+        held = tokens[: min(length, self.session.cache.length)]
+        names = self.pipeline.prefix_names(held, self.cache_salt)
+        await self.engine.remember(self.session, names)
+        if names:
+            await route.remember(self.request_id, names)
 
-    async def decode_plain(self, lane: Lane | LocalLane, token: int, position: int) -> bool:
+    async def decode_plain(self, route: Route, token: int, position: int) -> bool:
         """One token per round trip from ``token`` at ``position``; True if EOG ended it."""
         tel = telemetry.current()
         while True:
             step_start = telemetry.now_ns() if tel.debug_enabled else 0
-            token = await self.decode_step(lane, token, position)
+            token = await self.decode_step(route, token, position)
             if tel.debug_enabled:
                 step = len(self.generated)
                 phase = "cold" if step == 1 else "warmup" if step < 8 else "steady"
@@ -347,17 +303,11 @@ class Request:
             if await self.commit(token) or len(self.generated) >= self.max_tokens:
                 return False
 
-    async def decode_step(self, lane: Lane | LocalLane, token: int, position: int) -> int:
+    async def decode_step(self, route: Route, token: int, position: int) -> int:
         """One plain decode step: feed ``token`` at ``position``, return the next token."""
-        out = await self.pipeline._compute0(
-            self.cache, position, [token], request_id=self.request_id
-        )
-        await lane.send(
-            _proto.Decode(request_id=self.request_id, position=position, tokens=(token,)),
-            out,
-            self.pipeline.wire_dtype,
-        )
-        reply = await lane.receive_predictions(self.request_id)
+        message = _proto.Decode(request_id=self.request_id, position=position, tokens=(token,))
+        await route.send(message, await self.compute(message), self.wire_dtype)
+        reply = await route.receive_predictions(self.request_id)
         return int(reply.tokens[-1])
 
     async def recover(self, failure: LaneError | StageError, attempt: _Attempt) -> None:
@@ -367,10 +317,10 @@ class Request:
             RecoveryFailedError: one failure too many, or no lane opened in time (with
                 ``max_breaks=0`` the failure itself is raised).
         """
-        pipeline, policy = self.pipeline, self.pipeline.recovery
+        policy = self.pipeline.recovery
         attempt.breaks += 1
         if attempt.breaks > policy.max_breaks:
-            pipeline.recovery_failures += 1
+            self.recovery_failed = True
             if policy.max_breaks == 0:
                 raise failure
             raise RecoveryFailedError(
@@ -390,7 +340,7 @@ class Request:
         self.extra["recoveries"] = attempt.breaks
         self.extra["recovery_wait_ms"] = attempt.wait_ms
         self.extra.setdefault("recovery_replay_ms", 0.0)
-        pipeline.recoveries += 1
+        self.recoveries += 1
         self.request_id = secrets.randbits(62)  # a new chain session on every stage
 
     async def _await_lane(self, policy: RecoveryPolicy, failure: Exception) -> None:
@@ -413,7 +363,7 @@ class Request:
                     delay = min(delay * 2, policy.max_backoff)
                     continue
                 return
-        self.pipeline.recovery_failures += 1
+        self.recovery_failed = True
         raise RecoveryFailedError(
             f"no working lane through the pipeline within {policy.timeout:g}s of a failure "
             f"({failure}); last error: {last}"
@@ -424,7 +374,7 @@ class Request:
         ``RecoveryPolicy.timeout``."""
         reason = given_up(self.pipeline.stages)
         if reason is not None:
-            self.pipeline.recovery_failures += 1
+            self.recovery_failed = True
             raise StageGivenUpError(f"cannot recover the request: {reason}") from failure
 
     # -- the end ------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ and every stage's are trimmed by the authoritative position each ``Verify`` carr
 Committed tokens are always the target's own predictions, sampled on the last stage from a
 random stream keyed by (seed, position), so the output equals plain decoding.
 
-With one stage the lane is a `LocalLane`: each window is answered as it is sent.
+With one stage the route is a `stagerun._driver._route.LocalRoute`: each window is answered
+as it is sent.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ from .._errors import LaneError, StageError
 from .._util import one_failure, single_exceptions
 from ..abc import Drafter
 from ._config import SpeculationConfig
-from ._lanes import Lane
-from ._local import LocalLane
+from ._route import Route
 
 _Reply = _proto.Predictions | _proto.Cancelled
 
@@ -105,10 +105,8 @@ class Speculating(Protocol):
     @property
     def wire_dtype(self) -> _proto.ActivationDType: ...
 
-    async def compute(
-        self, position: int, tokens: Sequence[int], logits: str, window_id: int | None = None
-    ) -> Any:
-        """Stage 0's own layers for ``tokens`` at ``position``."""
+    async def compute(self, message: _proto.ActivationMessage) -> Any:
+        """Stage 0's own layers for ``message``."""
 
     async def commit(self, token: int) -> bool:
         """Emit one committed token; True when generation must end (a stop string)."""
@@ -123,10 +121,10 @@ class SpeculativeDecode:
     `run` keeps up to the allowed depth of live windows in flight (`fill`), reads every reply
     the moment it arrives (`_read_replies`), hands it to the controller (`_on_reply`) and
     carries out what comes back (`apply`): windows to send, tokens to commit, stale windows
-    to cancel. On one stage the lane is a `LocalLane`, which answers each window as it is sent.
+    to cancel. On one stage the route answers each window as it is sent.
     """
 
-    def __init__(self, request: Speculating, lane: Lane | LocalLane, history: list[int]) -> None:
+    def __init__(self, request: Speculating, lane: Route, history: list[int]) -> None:
         """Decode after prefill; ``history`` is the prompt plus the first generated token,
         which was already committed."""
         config = request.speculation
@@ -152,7 +150,7 @@ class SpeculativeDecode:
             now_ms=0.0,
         )
         self.depth = DepthControl(config.depth, adaptive=config.adaptive)
-        if isinstance(lane, Lane):  # predictions come back on a return path stage 0 opened
+        if lane.direct_return:  # predictions come back on a return path stage 0 opened
             self.controller.scheduler.mark_direct_prediction_return(upstream_opened=True)
         drafter.begin(history[:prompt_len])
         drafter.commit(history[prompt_len:])
@@ -188,7 +186,7 @@ class SpeculativeDecode:
 
     async def _read_replies(
         self,
-        lane: Lane | LocalLane,
+        lane: Route,
         channel: trio.MemorySendChannel[_Reply],
     ) -> None:
         # Replies are read the moment they arrive, also while stage 0 drafts and computes the
@@ -291,21 +289,17 @@ class SpeculativeDecode:
         self.pace.opened(window.id, self.now_ms())
         if self._tel.enabled:
             self._opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
-        inputs = list(window.inputs)
-        # Stage 0's own rows: logits on a one-stage pipeline (the local lane samples them),
-        # hidden states otherwise ("all" only matters on a last stage).
-        out = await self.request.compute(window.base_position, inputs, "all", window.id)
-        await self.lane.send(
-            _proto.Verify(
-                request_id=self.request_id,
-                window_id=window.id,
-                epoch=window.epoch,
-                position=window.base_position,
-                tokens=tuple(inputs),
-            ),
-            out,
-            self.request.wire_dtype,
+        message = _proto.Verify(
+            request_id=self.request_id,
+            window_id=window.id,
+            epoch=window.epoch,
+            position=window.base_position,
+            tokens=tuple(window.inputs),
         )
+        # Stage 0's own rows: logits on a one-stage pipeline (the route samples them),
+        # hidden states otherwise.
+        out = await self.request.compute(message)
+        await self.lane.send(message, out, self.request.wire_dtype)
 
     async def cancel(self, epoch: int, window_ids: tuple[int, ...]) -> None:
         if window_ids:

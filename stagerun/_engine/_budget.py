@@ -2,7 +2,7 @@
 
 A backend grows a session's cache as positions are computed (up to the model's context; a
 ``Trim`` gives no memory back), so a session is charged for the furthest position it ever
-reached, until it ends. The stage's prefix cache (`stagerun._stage._prefix`) holds KV
+reached, until it ends. The stage's prefix cache (`stagerun._engine._prefix`) holds KV
 positions from the same budget, and gives them back whenever a session needs them.
 """
 
@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_MAX_KV_TOKENS", "DEFAULT_MAX_SESSIONS", "Charged", "SessionB
 
 
 class Charged(Protocol):
-    """A session as the budget sees it (`stagerun._stage._session.Session`)."""
+    """A session as the budget sees it (`stagerun._engine._session.Session`)."""
 
     kv_positions: int
 

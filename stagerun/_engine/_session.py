@@ -1,13 +1,14 @@
 """One request on one stage: what it holds, and the compute it runs, apart from the lane.
 
-A `Session` is what a ``Configure`` opens on a stage and a ``Stop`` ends: the backend's cache
-for the request, its sampling settings, and the counts its summary span reports (`summarize`).
+A `Session` is what a stage opens for a request (a ``Configure`` on stages 1.., the request
+itself on stage 0) and closes at its end: the backend's cache for the request, its sampling
+settings, and the counts its summary span reports (`stagerun._engine.StageEngine.summarize`).
 `check_finite` refuses a forward's output that overflowed; a `StopCheck` is how a ``Cancel``
-read meanwhile stops a verify window's compute at a layer boundary. The lane around them is
-`stagerun._stage._worker.LaneWorker`'s.
+read meanwhile stops a verify window's compute at a layer boundary. The engine that opens,
+computes and closes sessions is `stagerun._engine.StageEngine`.
 
-What the sessions of every lane on a stage hold together is bounded by the stage's
-`stagerun._stage._budget.SessionBudget`.
+What the sessions of every request on a stage hold together is bounded by the stage's
+`stagerun._engine._budget.SessionBudget`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .. import _proto, telemetry
+from .. import _proto
 from ..abc import ComputeBackend
 from ..telemetry import now_ns
-from ._context import StageContext
 
 __all__ = [
     "Session",
@@ -30,8 +30,6 @@ __all__ = [
     "check_finite",
     "compute_attributes",
     "compute_stats",
-    "count_stopped",
-    "summarize",
     "us_since",
 ]
 
@@ -121,55 +119,3 @@ def compute_attributes(stage_index: int, message: _proto.ActivationMessage) -> d
     if isinstance(message, _proto.Verify):
         attributes["llama_stage.verify_window_id"] = message.window_id
     return attributes
-
-
-def summarize(stage: StageContext, request_id: int, session: Session) -> None:
-    """The span an ended session reports: its counts, and the stage's stale-work counters."""
-    telemetry.current().span(
-        "stage.binary_request_summary",
-        session.started_ns,
-        {
-            "llama_stage.stage_index": stage.index,
-            "llama_stage.request_id": request_id,
-            "llama_stage.message_count": session.messages,
-            "llama_stage.computes": session.computes,
-            "llama_stage.token_count": session.tokens,
-            "llama_stage.compute_ms": session.compute_us / 1000.0,
-            "llama_stage.forward_write_ms": session.forward_write_us / 1000.0,
-            "llama_stage.stale_dropped": stage.stale_dropped,
-            "llama_stage.stale_stopped": stage.stale_stopped,
-            "llama_stage.stale_stopped_layers": {
-                str(layer): count for layer, count in sorted(stage.stale_stopped_layers.items())
-            },
-        },
-    )
-
-
-def count_stopped(
-    stage: StageContext, message: _proto.ActivationMessage, layers_done: int, us: int
-) -> None:
-    """Count a stale compute that stopped at a layer boundary, and where it stopped.
-
-    ``layers_done`` layers ran, so the compute stopped before layer ``lo + layers_done``.
-    Before the first layer nothing was computed: that window was dropped before it
-    started, like one still queued. Otherwise it stopped part-way, strictly inside the
-    stage's layers, and that layer is counted in ``stale_stopped_layers``.
-    """
-    layer = stage.backend.layers[0] + layers_done
-    if layers_done == 0:
-        stage.stale_dropped += 1
-    else:
-        stage.stale_stopped += 1
-        stage.stale_stopped_layers[layer] += 1
-    tel = telemetry.current()
-    if tel.debug_enabled:
-        tel.debug_span(
-            "stage.binary_llama_decode",
-            now_ns() - us * 1000,
-            {
-                **compute_attributes(stage.index, message),
-                "llama_stage.compute_stopped": True,
-                "llama_stage.compute_stopped_layer": layer,
-                "llama_stage.elapsed_ms": us / 1000.0,
-            },
-        )

@@ -6,7 +6,7 @@ connection opens with the handshake; its role says what it is:
 * ``LANE``: one hop of a chain, carried out in order by a `stagerun._stage._worker.LaneWorker`:
   compute through the backend, then forward downstream or, on the last stage, sample and
   reply over the return connection. The forwards of every lane go through one
-  `stagerun._stage._scheduler.TickScheduler`: one batched forward at a time per stage, over
+  `stagerun._engine._scheduler.TickScheduler`: one batched forward at a time per stage, over
   whatever every lane has ready.
 * ``RETURN``: stage 0's return connection for one chain, parked under its key until a
   ``Configure`` with that key binds it (last stage only).
@@ -32,15 +32,21 @@ import collections
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
-from typing import Any
 
-import numpy as np
 import trio
 
 from .. import _proto, plugins
 from .._decide._ticks import DEFAULT_TICK_ROWS
-from .._errors import LaneError, LaneHandshakeError, ProtocolError, StageError
+from .._engine import (
+    DEFAULT_MAX_KV_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    PrefixCache,
+    SessionBudget,
+    StageEngine,
+    TickScheduler,
+)
+from .._engine._prefix import DEFAULT_PREFIX_CACHE_MB
+from .._errors import LaneError, LaneHandshakeError, StageError
 from .._util import FD_RESERVE, raise_open_file_limit
 from .._wire._address import parse_address
 from .._wire._auth import SECRET_FILE_ENV, is_loopback, lane_secret
@@ -52,13 +58,10 @@ from .._wire._framed import (
     LinkEmulation,
     server_handshake,
 )
-from ..abc import ComputeBackend, ForwardItem, exports_kv
+from ..abc import ComputeBackend
 from ..model import ModelFile
 from ..transports._websocket import parse_ws_address
-from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
 from ._connections import Connection, ConnectionTable, TrackedStream
-from ._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache
-from ._scheduler import TickInfo, TickScheduler
 from ._worker import LaneWorker
 
 log = logging.getLogger("stagerun.stage")
@@ -154,10 +157,15 @@ class StageServer:
         self.handshake_timeout = handshake_timeout
         self.address: str | None = None
         self.reply_timeout = stage_reply_timeout()
-        self.session_budget = SessionBudget(max_sessions=max_sessions, max_kv_tokens=max_kv_tokens)
-        self.prefix_cache: PrefixCache | None = None
-        if prefix_cache_bytes > 0 and exports_kv(backend):
-            self.prefix_cache = PrefixCache(prefix_cache_bytes, budget=self.session_budget)
+        self.engine = StageEngine(
+            backend,
+            index=index,
+            max_batch=max_batch,
+            tick_rows=tick_rows,
+            max_sessions=max_sessions,
+            max_kv_tokens=max_kv_tokens,
+            prefix_cache_bytes=prefix_cache_bytes,
+        )
         self.refused = 0  # connections turned down in the handshake
         self.protocol_errors = 0  # lanes closed for a malformed frame
         self.max_connections = max_connections  # as asked; `connection_limit` is what holds
@@ -170,15 +178,8 @@ class StageServer:
         )
         self._turned_away_unlogged = 0
         self._pressure_logged_at = -math.inf
-        self.scheduler = TickScheduler(backend, max_rows=tick_rows, max_items=max_batch)
         self._sinks: dict[int, FrameStream] = {}
         self._sink_parked = trio.Condition()
-        self.lanes_open = 0
-        self.computes = 0
-        self.stale_dropped = 0  # stale windows dropped before their compute started
-        self.stale_stopped = 0  # stale windows whose compute stopped at a layer boundary
-        # ... and the layer each stopped before (strictly inside this stage's layers)
-        self.stale_stopped_layers: collections.Counter[int] = collections.Counter()
         self._workers: set[LaneWorker] = set()
 
     def __repr__(self) -> str:
@@ -190,6 +191,40 @@ class StageServer:
             f"computes={self.computes} stale_dropped={self.stale_dropped} "
             f"stale_stopped={self.stale_stopped}>"
         )
+
+    # What the engine counts, read where the stage is: its repr, tests, summaries.
+    @property
+    def scheduler(self) -> TickScheduler:
+        return self.engine.scheduler
+
+    @property
+    def session_budget(self) -> SessionBudget:
+        return self.engine.budget
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.engine.prefix_cache
+
+    @property
+    def computes(self) -> int:
+        return self.engine.computes
+
+    @property
+    def stale_dropped(self) -> int:
+        return self.engine.stale_dropped
+
+    @property
+    def stale_stopped(self) -> int:
+        return self.engine.stale_stopped
+
+    @property
+    def stale_stopped_layers(self) -> collections.Counter[int]:
+        return self.engine.stale_stopped_layers
+
+    @property
+    def lanes_open(self) -> int:
+        """Upstream lanes this stage is carrying out now."""
+        return len(self._workers)
 
     @property
     def sessions_open(self) -> int:
@@ -334,25 +369,16 @@ class StageServer:
             await self._run_lane(framed)
 
     async def _run_lane(self, framed: FrameStream) -> None:
-        self.lanes_open += 1
         worker = LaneWorker(self, framed)
         self._workers.add(worker)
         try:
-            await worker.run()
-        except Exception as exc:
-            ended = _lane_errors(exc)
-            if ended is None:
-                # A bug in one lane must not take the stage down: that lane is closed (its
-                # chain collapses and stage 0 replaces it); the other lanes carry on.
-                log.exception("stage %d: lane from %s failed", self.index, framed.peer)
-                return
-            # The lane's connections failed (several tasks may see it): not a bug.
-            self.protocol_errors += sum(isinstance(e.__cause__, ProtocolError) for e in ended)
-            reasons = "; ".join(dict.fromkeys(str(e) for e in ended))
-            log.info("stage %d: lane from %s ended: %s", self.index, framed.peer, reasons)
+            await worker.run()  # a lane whose connections failed ends quietly (it logs why)
+        except Exception:
+            # A bug in one lane must not take the stage down: that lane is closed (its
+            # chain collapses and stage 0 replaces it); the other lanes carry on.
+            log.exception("stage %d: lane from %s failed", self.index, framed.peer)
         finally:
             self._workers.discard(worker)
-            self.lanes_open -= 1
 
     async def _park_sink(self, framed: FrameStream, key: int, conn: Connection) -> None:
         # Bound to a lane's session, it waits quietly for predictions as long as the lane lives.
@@ -378,18 +404,6 @@ class StageServer:
                     await self._sink_parked.wait()
                 return self._sinks[key]
         raise StageError(f"stage {self.index} has no return connection for this lane")
-
-    async def forward(
-        self,
-        item: ForwardItem,
-        *,
-        prefill: bool = False,
-        stale: Callable[[], bool] | None = None,
-        tick: TickInfo | None = None,
-    ) -> np.ndarray[Any, Any]:
-        """Compute one session's forward in this stage's next tick (see `TickScheduler`)."""
-        self.computes += 1
-        return await self.scheduler.forward(item, prefill=prefill, stale=stale, tick=tick)
 
 
 def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
@@ -421,21 +435,6 @@ def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
             index,
             address,
         )
-
-
-def _lane_errors(exc: Exception) -> list[LaneError] | None:
-    """The `LaneError` ``exc`` is, or every leaf of its group if all are; else None."""
-
-    def leaves(exc: BaseException) -> Iterator[BaseException]:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                yield from leaves(inner)
-        else:
-            yield exc
-
-    found = list(leaves(exc))
-    lane_errors = [leaf for leaf in found if isinstance(leaf, LaneError)]
-    return lane_errors if len(lane_errors) == len(found) else None
 
 
 def payload_limit(model: ModelFile) -> int:

@@ -33,14 +33,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Any, Literal, assert_never
+from typing import Any, assert_never
 
 import attrs
 import numpy as np
 import trio
 
 from .. import _proto, telemetry
-from .._decide._sampling import sample_rows
+from .._engine import Session, SessionRefused, StopCheck
+from .._engine._session import compute_attributes, us_since
 from .._errors import (
     ComputeCancelled,
     LaneError,
@@ -51,22 +52,9 @@ from .._errors import (
 )
 from .._wire._connect import open_connection
 from .._wire._framed import FrameStream, LinkEmulation
-from ..abc import ForwardItem
 from ..telemetry import Telemetry, now_ns
 from ._context import StageContext
-from ._prefix import keep_blocks, restore_blocks
 from ._queue import MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, FrameQueue
-from ._scheduler import TickInfo
-from ._session import (
-    Session,
-    StopCheck,
-    check_finite,
-    compute_attributes,
-    compute_stats,
-    count_stopped,
-    summarize,
-    us_since,
-)
 
 __all__ = ["LaneWorker"]
 
@@ -134,7 +122,7 @@ class LaneWorker:
                 log.info("stage %d: lane from %s ended: %s", self.server.index, self.up.peer, exc)
         finally:
             for session in self.sessions.values():
-                self.server.session_budget.close(session)
+                self.server.engine.close(session)
             self.sessions.clear()
             with trio.CancelScope(shield=True):
                 if self.down is not None:
@@ -196,7 +184,7 @@ class LaneWorker:
                 and message.window_id in named
             )
 
-        self.server.stale_dropped += self._queue.drop(stale)
+        self.server.engine.stale_dropped += self._queue.drop(stale)
         if self._current is not None and stale(self._current):
             self._current_cancelled = True
 
@@ -244,8 +232,8 @@ class LaneWorker:
             case _proto.Stop():
                 ended = self.sessions.pop(message.request_id, None)
                 if ended is not None:
-                    self.server.session_budget.close(ended)
-                    summarize(self.server, message.request_id, ended)
+                    self.server.engine.close(ended)
+                    self.server.engine.summarize(message.request_id, ended)
                 self._replied.pop(message.request_id, None)
                 await self._relay_ack(message, _proto.StageStats(stage_count=1))
             case _proto.Cancel():
@@ -253,7 +241,7 @@ class LaneWorker:
             case _proto.Remember():
                 await self._remember(message)
             case _proto.Probe():
-                cache = self.server.prefix_cache
+                cache = self.server.engine.prefix_cache
                 stats = cache.stats() if cache is not None else _proto.PrefixStats()
                 await self._send_up(
                     _proto.Status(
@@ -286,53 +274,28 @@ class LaneWorker:
             except StageError as exc:
                 await self._fail(rid, str(exc), upstream=True)
                 return
-        budget = self.server.session_budget
+        engine = self.server.engine
         replaced = self.sessions.pop(rid, None)
         if replaced is not None:
-            budget.close(replaced)
-        refusal = budget.open()
-        if refusal is not None:
-            text = f"stage {self.server.index} refused request {rid}: {refusal}"
-            await self._fail(rid, text, upstream=True)
+            engine.close(replaced)
+        try:
+            session = engine.open(rid, message.sampling, message.prompt_len)
+        except SessionRefused as exc:
+            await self._fail(rid, str(exc), upstream=True)
             return
-        session = Session(
-            cache=self.server.backend.new_cache(),
-            sampling=message.sampling,
-            prompt_len=message.prompt_len,
-        )
         self.sessions[rid] = session
-        cached = await self._restore(session, message.prefix)
+        cached = await engine.restore(session, message.prefix)
         await self._relay_ack(
             message, _proto.StageStats(stage_count=1), fresh_session=True, cached=cached
         )
-
-    async def _restore(self, session: Session, names: tuple[int, ...]) -> int:
-        """Copy the longest run of ``names`` this stage holds into the new session's cache.
-
-        The positions restored (0 without a prefix cache, or without room for them in the
-        stage's budget: then the request recomputes them, which is never wrong).
-        """
-        cache = self.server.prefix_cache
-        if cache is None or not names:
-            return 0
-        budget = self.server.session_budget
-        held = await restore_blocks(
-            cache,
-            self.server.backend,
-            session.cache,
-            names,
-            room=lambda positions: budget.grow(session, positions) is None,
-        )
-        return held * _proto.PREFIX_BLOCK
 
     async def _remember(self, message: _proto.Remember) -> None:
         """Keep the request's blocks this stage does not hold yet, and pass the names on."""
         if not self.server.is_last:
             await (await self._downstream()).send(message, timeout=self.server.reply_timeout)
         session = self.sessions.get(message.request_id)
-        cache = self.server.prefix_cache
-        if session is not None and cache is not None:
-            await keep_blocks(cache, self.server.backend, session.cache, message.prefix)
+        if session is not None:
+            await self.server.engine.remember(session, message.prefix)
 
     async def _cancel(self, message: _proto.Cancel) -> None:
         if not self.server.is_last:
@@ -429,19 +392,11 @@ class LaneWorker:
                 upstream=fail_upstream,
             )
             return
-        # The cache can reach no further: a position past its length is a gap, which fails.
-        end = min(message.position, session.cache.length) + len(message.tokens)
-        refusal = server.session_budget.grow(session, end)
-        if refusal is not None:
-            text = f"stage {server.index} has no room for request {message.request_id}: "
-            await self._fail(message.request_id, text + refusal, upstream=fail_upstream)
-            return
         computed = await self._compute(message, activations, session, fail_upstream=fail_upstream)
         if computed is None:
             return
-        out, compute_us = computed
+        out, stats = computed
         tel = telemetry.current()
-        stats = self._record_compute(message, session, compute_us, tel)
         if not server.is_last:
             await self._forward(message, session, out, stats, tel, owes_ack=not wants_predictions)
         elif not wants_predictions:
@@ -456,61 +411,28 @@ class LaneWorker:
         session: Session,
         *,
         fail_upstream: bool,
-    ) -> tuple[np.ndarray[Any, Any], int] | None:
-        """Run ``message`` through this stage's layers: the output and its compute time (µs).
+    ) -> tuple[np.ndarray[Any, Any], _proto.StageStats] | None:
+        """Run ``message`` through the stage's engine: the output and the stats it reports.
 
         None when there is nothing to go on with: a verify window that a ``Cancel`` stopped
-        (counted), or a compute that failed (reported to stage 0).
+        (the engine counts it), or a compute that was refused or failed (reported to stage 0).
         """
-        backend = self.server.backend
-        rows: Literal["all", "last"] = "all" if isinstance(message, _proto.Verify) else "last"
         stop: StopCheck | None = None
         if isinstance(message, _proto.Verify):
             stop = StopCheck(lambda: self._current_cancelled)
             self._current, self._current_cancelled = message, False
-        if backend.is_first:
-            item = ForwardItem(session.cache, message.position, tokens=message.tokens)
-        else:
-            item = ForwardItem(session.cache, message.position, hidden=activations)
-        item = attrs.evolve(item, logits=rows, should_stop=stop)
-        start, tick = time.perf_counter(), TickInfo()
         try:
-            out = await self.server.forward(
-                item,
-                prefill=isinstance(message, _proto.Prefill),
-                stale=None if stop is None else stop.cancelled,
-                tick=tick,
-            )
-            check_finite(backend, out)
+            return await self.server.engine.compute(session, message, activations, stop=stop)
         except ComputeCancelled:
-            assert stop is not None, "only a verify window's compute is ever stopped"
-            count_stopped(self.server, message, stop.layers_done, us_since(start))
+            return None
+        except SessionRefused as exc:
+            await self._fail(message.request_id, str(exc), upstream=fail_upstream)
             return None
         except (ValueError, StagerunError) as exc:
             await self._fail(message.request_id, f"compute failed: {exc}", upstream=fail_upstream)
             return None
         finally:
             self._current = None
-        return out, int(tick.seconds * 1e6)  # its tick's time, not the wait for it
-
-    def _record_compute(
-        self, message: _proto.ActivationMessage, session: Session, compute_us: int, tel: Telemetry
-    ) -> _proto.StageStats:
-        """Count a finished compute on its session and trace it; the stats it reports."""
-        session.messages += 1
-        session.computes += 1
-        session.tokens += len(message.tokens)
-        session.compute_us += compute_us
-        if tel.debug_enabled:
-            tel.debug_span(
-                "stage.binary_llama_decode",
-                now_ns() - compute_us * 1000,
-                {
-                    **compute_attributes(self.server.index, message),
-                    "llama_stage.elapsed_ms": compute_us / 1000.0,
-                },
-            )
-        return compute_stats(message, compute_us, self.server.index)
 
     async def _forward(
         self,
@@ -553,20 +475,12 @@ class LaneWorker:
         out: np.ndarray[Any, Any],
         stats: _proto.StageStats,
     ) -> None:
-        """Last stage: sample the next tokens and send them over the return connection."""
-        last_position = message.position + (len(message.tokens) - out.shape[0])
-        predicted = sample_rows(out, session.sampling, last_position + 1)
+        """Last stage: the engine's answer, sent over the return connection."""
         if isinstance(message, _proto.Verify):
             self._replied.setdefault(message.request_id, set()).add(message.window_id)
         assert self.sink is not None, "the last stage binds its return connection at Configure"
         await self.sink.send(
-            _proto.Predictions(
-                request_id=message.request_id,
-                window_id=getattr(message, "window_id", 0),
-                position=message.position,
-                tokens=tuple(predicted),
-                stats=stats,
-            ),
+            self.server.engine.answer(session, message, out, stats),
             timeout=self.server.reply_timeout,
         )
 

@@ -24,7 +24,7 @@ from .._driver._lanes import LanePool
 from .._driver._pipeline import Pipeline
 from .._driver._supervise import STATES, StageProcess, is_serving, running_pids
 from .._driver._values import StageHealth
-from .._stage._scheduler import TickScheduler
+from .._engine._scheduler import TickScheduler
 from .._util import cpu_seconds
 from ._admission import Admission
 

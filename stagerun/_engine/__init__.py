@@ -1,0 +1,19 @@
+"""The stage engine: what every stage, stage 0 included, is apart from its network.
+
+`StageEngine` owns a stage's tick scheduler, prefix cache, session budget and stale-work
+counters, and is the one home of what a stage does with a request (open, restore, compute,
+answer, remember, close). The stage server (`stagerun._stage`) and the driver
+(`stagerun._driver`) each hold one and only carry messages to and from it.
+"""
+
+from ._budget import DEFAULT_MAX_KV_TOKENS as DEFAULT_MAX_KV_TOKENS
+from ._budget import DEFAULT_MAX_SESSIONS as DEFAULT_MAX_SESSIONS
+from ._budget import SessionBudget as SessionBudget
+from ._engine import SessionRefused as SessionRefused
+from ._engine import StageEngine as StageEngine
+from ._prefix import DEFAULT_PREFIX_CACHE_MB as DEFAULT_PREFIX_CACHE_MB
+from ._prefix import PrefixCache as PrefixCache
+from ._scheduler import TickInfo as TickInfo
+from ._scheduler import TickScheduler as TickScheduler
+from ._session import Session as Session
+from ._session import StopCheck as StopCheck
