@@ -112,10 +112,13 @@ class Lane:
     async def receive_ack(self) -> _proto.Ack:
         frame = await self.forward.receive(timeout=self.reply_timeout)
         reply = frame.message
-        if isinstance(reply, _proto.Ack):
-            return reply
-        if isinstance(reply, _proto.Error):
-            raise StageError(f"stage {reply.stage_index}: {reply.message}")
+        match _proto.check_reply(_proto.Owes.ACK, reply, on_return=False):
+            case _proto.ReplyCheck.TAKEN:
+                assert isinstance(reply, _proto.Ack)
+                return reply
+            case _proto.ReplyCheck.REFUSED:
+                assert isinstance(reply, _proto.Error)
+                raise StageError(f"stage {reply.stage_index}: {reply.message}")
         raise LaneBrokenError(
             f"lane {self.id}: expected an Ack from {self.forward.peer}, got {type(reply).__name__}"
         )
@@ -158,15 +161,19 @@ class Lane:
         if isinstance(result, BaseException):
             raise result
         reply = result.message
-        if isinstance(reply, (_proto.Predictions, _proto.Cancelled)) and stream is not self.forward:
-            if reply.request_id != request_id:
-                raise StageError(
-                    f"lane {self.id}: a reply for request {reply.request_id} arrived while "
-                    f"request {request_id} was running"
-                )
-            return reply
-        if isinstance(reply, _proto.Error):
-            raise StageError(f"stage {reply.stage_index}: {reply.message}")
+        on_return = stream is not self.forward
+        match _proto.check_reply(_proto.Owes.PREDICTIONS, reply, on_return=on_return):
+            case _proto.ReplyCheck.TAKEN:
+                assert isinstance(reply, (_proto.Predictions, _proto.Cancelled))
+                if reply.request_id != request_id:
+                    raise StageError(
+                        f"lane {self.id}: a reply for request {reply.request_id} arrived "
+                        f"while request {request_id} was running"
+                    )
+                return reply
+            case _proto.ReplyCheck.REFUSED:
+                assert isinstance(reply, _proto.Error)
+                raise StageError(f"stage {reply.stage_index}: {reply.message}")
         raise LaneBrokenError(
             f"lane {self.id}: unexpected {type(reply).__name__} from {stream.peer}"
         )

@@ -40,6 +40,14 @@ from ._handshake import encode_hello as encode_hello
 from ._handshake import encode_ready as encode_ready
 from ._handshake import encode_refusal as encode_refusal
 from ._handshake import proofs_match as proofs_match
+from ._lane import RULES as RULES
+from ._lane import Owes as Owes
+from ._lane import ReplyCheck as ReplyCheck
+from ._lane import Rule as Rule
+from ._lane import check_reply as check_reply
+from ._lane import fails_upstream as fails_upstream
+from ._lane import is_reply as is_reply
+from ._lane import rule_for as rule_for
 from ._messages import CARRIES_ACTIVATIONS as CARRIES_ACTIVATIONS
 from ._messages import MAX_ERROR_MESSAGE as MAX_ERROR_MESSAGE
 from ._messages import MAX_PREFIX_NAMES as MAX_PREFIX_NAMES

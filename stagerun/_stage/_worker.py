@@ -380,10 +380,9 @@ class LaneWorker:
     ) -> None:
         """Compute one message's layers, then forward the activations or reply to stage 0."""
         server = self.server
-        wants_predictions = not isinstance(message, _proto.Prefill) or message.predict
-        # Failures go where stage 0 is listening: the return path for predictions from the
-        # last stage, upstream otherwise.
-        fail_upstream = not (wants_predictions and server.is_last)
+        wants_predictions = _proto.rule_for(message).owes is _proto.Owes.PREDICTIONS
+        # Failures go where stage 0 is listening (the lane's table, `_proto._lane`).
+        fail_upstream = _proto.fails_upstream(message, is_last=server.is_last)
         session = self.sessions.get(message.request_id)
         if session is None:
             await self._fail(
