@@ -7,9 +7,11 @@ The controller owns one request's decode after prefill. It holds the committed h
 and a :class:`~._windows.VerifyWindowScheduler` whose FIFO is the single record of the windows
 in flight. It never does I/O and never reads a clock; a Trio shell drives it (decide, then do):
 
-1. **Fill.** While :meth:`SpeculationController.next_draft_request` returns a
-   :class:`DraftRequest`, the shell asks its drafter for up to ``max_drafts`` tokens following
-   ``context`` and hands them to :meth:`~SpeculationController.open_window`, which returns a
+1. **Fill.** Before each fill the shell passes in stage 0's load reading
+   (:meth:`~SpeculationController.observe_load`). While
+   :meth:`SpeculationController.next_draft_request` returns a :class:`DraftRequest`, the shell
+   asks its drafter for ``drafts`` tokens following ``context`` (none when ``drafts`` is 0) and
+   hands them to :meth:`~SpeculationController.open_window`, which returns a
    :class:`SendWindow` to carry out (stage-0 compute + ``Verify`` on the lane). With no live
    window in flight the window *starts an epoch*: inputs ``[c, d1..dk]`` at the position of
    ``c``. Otherwise (depth above 1) it is a *continuation chunk* of the current epoch, drafted on
@@ -36,26 +38,35 @@ token budget. Live windows always belong to the current epoch and queue behind e
 window, and after each reply plus a fill at least one live window is in flight until the request
 finishes, so a shell that waits for the next reply never waits on a cancelled window alone.
 
-With ``adaptive=True`` the draft width follows the original's draft-model policy: one more after
-a full accept or a tail reject (up to the configured width), one less after an early reject.
+With ``adaptive=True`` the draft width follows the original's draft-model policy: doubled after
+a full accept, one more after a tail reject (up to the configured width), one less after an
+early reject. The rest of the policy is the controller's `SpeculationPolicy`
+(`stagerun._decide._pace`), fed from here: the live windows in flight follow the full-accept
+rate (`DepthControl`), depth and drafts shrink as stage 0's load rises
+(`speculation_share`), and drafting is switched off for the rest of the request once it is
+measured not to pay (`SpeculationPolicy.judge_drafting`). Without ``adaptive`` the
+configured depth and width always apply.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Literal, TypeAlias
 
 import attrs
 
 from .._errors import VerifyWindowError
+from ._pace import ADAPTIVE_INITIAL_WIDTH, SpeculationPolicy
 from ._verdict import (
     SpeculationStats,
     Verdict,
     VerdictKind,
     accept_window,
     compose_target_predictions,
+    speculation_timings,
 )
-from ._windows import VerifyWindow, VerifyWindowScheduler
+from ._windows import TimingValue, VerifyWindow, VerifyWindowScheduler, response_timings
 
 FinishReason: TypeAlias = Literal["eog", "length", "stop", "cancelled"]
 
@@ -69,12 +80,15 @@ class DraftRequest:
         max_drafts: the most drafts the window may carry (0: a plain decode step).
         position: absolute position of the token the first draft guesses.
         starts_epoch: whether the window will start a new epoch.
+        drafts: how many drafts to ask the drafter for (0: do not ask): ``max_drafts`` cut to
+            the load share, 0 once drafting is switched off (`SpeculationPolicy.drafts_for`).
     """
 
     context: tuple[int, ...]
     max_drafts: int
     position: int
     starts_epoch: bool
+    drafts: int
 
 
 @attrs.frozen
@@ -143,9 +157,11 @@ class SpeculationController:
         eog: end-of-generation token ids.
         depth: verify windows kept in flight at most (1: serial).
         width: drafts per window at most (0: plain decoding through windows).
-        adaptive: let the width shrink and grow with measured acceptance.
+        adaptive: let the width and depth follow measured acceptance and stage 0's load, and
+            switch drafting off once it does not pay (see `SpeculationPolicy`).
         initial_width: the width of the first windows (default ``width``); with ``adaptive``
-            a small start grows by one per well-accepted window, like a TCP slow start.
+            a small start grows with well-accepted windows, like a TCP slow start
+            (:meth:`for_request` starts adaptive requests so).
         now_ms: the time the request's occupancy accounting starts from.
     """
 
@@ -185,11 +201,40 @@ class SpeculationController:
         self._boundary: int | None = None
         self._horizon_dry = False
         self._stats = SpeculationStats()
+        self.policy = SpeculationPolicy(depth, adaptive=adaptive, generated=self.generated_count)
         self.finish_reason: FinishReason | None = None
         if self._history[-1] in self._eog:
             self.finish_reason = "eog"
         elif self.generated_count >= max_tokens:
             self.finish_reason = "length"
+
+    @classmethod
+    def for_request(
+        cls,
+        history: Sequence[int],
+        *,
+        prompt_len: int,
+        max_tokens: int,
+        eog: Collection[int] = (),
+        depth: int = 1,
+        width: int = 4,
+        adaptive: bool = False,
+        now_ms: float = 0.0,
+    ) -> SpeculationController:
+        """The controller of one request's decode, as the runtime starts it: an adaptive
+        request starts with ``ADAPTIVE_INITIAL_WIDTH`` drafts per window (at most ``width``)
+        and earns the rest; any other starts at ``width``."""
+        return cls(
+            history,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            eog=eog,
+            depth=depth,
+            width=width,
+            adaptive=adaptive,
+            initial_width=min(ADAPTIVE_INITIAL_WIDTH, width) if adaptive else None,
+            now_ms=now_ms,
+        )
 
     def __repr__(self) -> str:
         stale = sum(window.stale for window in self.scheduler.in_flight)
@@ -228,13 +273,56 @@ class SpeculationController:
     def width(self) -> int:
         return self._width
 
+    @property
+    def drafting(self) -> bool:
+        """False once drafting was switched off for the rest of the request (not paying)."""
+        return self.policy.drafting
+
+    @property
+    def window_limit(self) -> int:
+        """Live windows the request may keep in flight now (its depth, under load and
+        acceptance when adaptive)."""
+        return self.policy.window_limit()
+
+    @property
+    def shortest_round_trip_ms(self) -> float | None:
+        """The shortest window round trip measured so far (None before the first reply)."""
+        shortest = self.policy.pace.shortest_round_trip_ms
+        return None if math.isinf(shortest) else shortest
+
     def stats(self) -> SpeculationStats:
         return attrs.evolve(self._stats, width=self._width)
+
+    def timings(self, now_ms: float) -> dict[str, TimingValue]:
+        """The speculative entries of the response's ``timings`` map, as of ``now_ms``."""
+        stats = self.stats()
+        timings: dict[str, TimingValue] = {}
+        timings.update(speculation_timings(stats))
+        timings.update(response_timings(self.scheduler.stats(now_ms)))
+        timings["draft_n"] = stats.proposed
+        timings["draft_n_accepted"] = stats.accepted
+        timings["speculative_drafting_switched_off"] = not self.drafting
+        shortest = self.shortest_round_trip_ms
+        if shortest is not None:
+            timings["speculative_shortest_window_ms"] = round(shortest, 3)
+        return timings
 
     def _live(self) -> list[VerifyWindow]:
         return [window for window in self.scheduler.in_flight if not window.stale]
 
     # --- filling the pipeline ------------------------------------------------------------------
+
+    def observe_load(self, load: float, *, now_ms: float) -> None:
+        """Take stage 0's load reading (0..1, the share of the last second its ticks computed)
+        as windows are about to open, at ``now_ms``.
+
+        An adaptive request keeps fewer live windows in flight and asks for fewer drafts the
+        busier stage 0 is (`speculation_share`), and none from 90% busy on. Drafting is also
+        judged here, as of ``now_ms``: it is switched off for the rest of the request once it
+        is measured not to pay (`SpeculationPolicy.judge_drafting`).
+        """
+        self.policy.observe_load(load)
+        self.policy.judge_drafting(self._stats, self.generated_count, now_ms)
 
     def next_draft_request(self) -> DraftRequest | None:
         """The drafts the next window needs, or None when no window should open now."""
@@ -243,12 +331,16 @@ class SpeculationController:
         remaining = self._max_tokens - self.generated_count
         live = self._live()
         if not live:
+            max_drafts = min(self._width, remaining - 1)
             return DraftRequest(
                 context=tuple(self._history),
-                max_drafts=min(self._width, remaining - 1),
+                max_drafts=max_drafts,
                 position=len(self._history),
                 starts_epoch=True,
+                drafts=self.policy.drafts_for(max_drafts),
             )
+        if len(live) >= self.policy.window_limit():
+            return None
         if self._horizon_dry or not self.scheduler.supports_pipelining(self._width):
             return None
         optimistic = [token for window in live for token in window.proposal]
@@ -262,6 +354,7 @@ class SpeculationController:
             max_drafts=max_drafts,
             position=last.base_position + len(last.inputs),
             starts_epoch=False,
+            drafts=self.policy.drafts_for(max_drafts),
         )
 
     def open_window(self, drafts: Sequence[int], *, now_ms: float) -> SendWindow | None:
@@ -299,6 +392,7 @@ class SpeculationController:
             proposal=proposal,
             starts_epoch=request.starts_epoch,
         )
+        self.policy.pace.opened(window.id, now_ms)
         return SendWindow(window)
 
     def fill(
@@ -343,7 +437,9 @@ class SpeculationController:
                 f"{window.base_position}) returned {len(predictions)} tokens for "
                 f"{len(window.inputs)} inputs"
             )
-        self.scheduler.discard_stale_before(window_id, now_ms=now_ms)
+        self.policy.pace.replied(window_id, now_ms)
+        dropped = self.scheduler.discard_stale_before(window_id, now_ms=now_ms)
+        self.policy.pace.forget([w.id for w in dropped])
         self.scheduler.complete_next(window_id, now_ms=now_ms)
         self._horizon_dry = False
         if window.stale:
@@ -402,6 +498,7 @@ class SpeculationController:
             VerifyWindowError: a listed window is not stale.
         """
         dropped = self.scheduler.discard_cancelled(window_ids, now_ms=now_ms)
+        self.policy.pace.forget(window_ids)
         return tuple(window.id for window in dropped)
 
     @property
@@ -436,7 +533,9 @@ class SpeculationController:
         ]
 
     def _observe(self, verdict: Verdict, proposed: int) -> None:
+        before = self._stats
         self._stats = self._stats.observe(verdict, proposed)
+        self.policy.observe_windows(before, self._stats)
         if not self._adaptive or self._max_width == 0:
             return
         if verdict.kind is VerdictKind.FULL_ACCEPT:
