@@ -292,3 +292,18 @@ def test_an_adaptive_request_starts_narrow(adaptive: bool, width: int, first_wid
     )
     assert controller.width == first_width
     assert _request(controller).max_drafts == first_width
+
+
+def test_a_stale_windows_round_trip_is_counted_as_its_verify_time() -> None:
+    controller = _controller(depth=3, width=2, adaptive=False)
+    first = controller.open_window([6, 7], now_ms=0.0)
+    second = controller.open_window([8, 9], now_ms=5.0)
+    assert first is not None and second is not None
+    commands = controller.on_predictions(first.window.id, [6, 40, 41], now_ms=20.0)
+    assert isinstance(commands[-1], NewEpoch)
+    assert commands[-1].cancel_window_ids == (second.window.id,)
+    assert controller.on_predictions(second.window.id, [0, 0], now_ms=30.0) == []
+    stats = controller.scheduler.stats(30.0)
+    assert stats.stale_verify_elapsed_ms == 25.0
+    assert (stats.stale_drain_ms, stats.stale_stage0_compute_ms) == (0.0, 0.0)
+    assert controller.shortest_round_trip_ms == 20.0

@@ -51,7 +51,7 @@ configured depth and width always apply.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, TypeAlias
 
 import attrs
@@ -93,7 +93,13 @@ class DraftRequest:
 
 @attrs.frozen
 class WindowTimings:
-    """What a window cost stage 0, in milliseconds (used for stale windows' accounting)."""
+    """What a window cost stage 0, in milliseconds (used for stale windows' accounting).
+
+    Without one, :meth:`SpeculationController.on_predictions` counts a stale window's round
+    trip (from :meth:`~SpeculationController.open_window` to its reply) as its
+    ``verify_elapsed_ms``, and the parts it cannot see (draining, stage 0's compute, the
+    write, the wait downstream) as 0.
+    """
 
     drain_ms: float = 0.0
     stage0_compute_ms: float = 0.0
@@ -395,22 +401,6 @@ class SpeculationController:
         self.policy.pace.opened(window.id, now_ms)
         return SendWindow(window)
 
-    def fill(
-        self, propose: Callable[[Sequence[int], int], Sequence[int]], *, now_ms: float
-    ) -> list[Command]:
-        """Open windows until the pipeline is full, with a synchronous drafter.
-
-        ``propose(context, max_drafts)`` returns the drafts following ``context``. A shell whose
-        drafter awaits runs the same loop itself over :meth:`next_draft_request`.
-        """
-        commands: list[Command] = []
-        while (request := self.next_draft_request()) is not None:
-            send = self.open_window(propose(request.context, request.max_drafts), now_ms=now_ms)
-            if send is None:
-                break
-            commands.append(send)
-        return commands
-
     # --- replies -------------------------------------------------------------------------------
 
     def on_predictions(
@@ -423,7 +413,8 @@ class SpeculationController:
     ) -> list[Command]:
         """Take the predictions of window ``window_id``; return the commands they lead to.
 
-        ``timings`` is what the window cost, counted when the window turns out to be stale.
+        ``timings`` is what the window cost, counted when the window turns out to be stale
+        (without it, its round trip; see `WindowTimings`).
 
         Raises:
             VerifyWindowError: the reply is out of order, for no window in flight, or its
@@ -437,13 +428,14 @@ class SpeculationController:
                 f"{window.base_position}) returned {len(predictions)} tokens for "
                 f"{len(window.inputs)} inputs"
             )
-        self.policy.pace.replied(window_id, now_ms)
+        round_trip = self.policy.pace.replied(window_id, now_ms)
         dropped = self.scheduler.discard_stale_before(window_id, now_ms=now_ms)
         self.policy.pace.forget([w.id for w in dropped])
         self.scheduler.complete_next(window_id, now_ms=now_ms)
         self._horizon_dry = False
         if window.stale:
-            self.scheduler.record_stale_execution(*attrs.astuple(timings or WindowTimings()))
+            cost = timings or WindowTimings(verify_elapsed_ms=round_trip or 0.0)
+            self.scheduler.record_stale_execution(*attrs.astuple(cost))
             return []
         if window.starts_epoch:
             target = predictions
