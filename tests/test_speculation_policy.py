@@ -132,6 +132,18 @@ def test_as_the_load_falls_depth_and_drafts_grow_back() -> None:
         assert (controller.window_limit, _request(controller).drafts) == (window_limit, drafts)
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_the_drafter_is_not_asked_for_drafts_a_window_cannot_carry(adaptive: bool) -> None:
+    controller = _controller(adaptive=adaptive, max_tokens=2)  # one token left to generate
+    request = _request(controller)
+    assert (request.max_drafts, request.drafts) == (0, 0)
+    assert [(w, SpeculationPolicy(4, adaptive=adaptive).drafts_for(w)) for w in (0, 1, 3)] == [
+        (0, 0),
+        (1, 1),
+        (3, 3),
+    ]
+
+
 def test_without_adaptive_the_load_changes_nothing() -> None:
     controller = _controller(depth=3, adaptive=False)
     for busy in (0.0, 0.7, 1.0):

@@ -175,7 +175,9 @@ class SpeculationPolicy:
         cut to the load share; 0 once drafting is switched off (or from 90% busy on)."""
         if not self.drafting:
             return 0
-        return under_load(max_drafts, self.share)
+        # under_load keeps at least one of anything, but a window that may carry no drafts
+        # (the budget's last token) gets none: the drafter is not asked for them.
+        return min(max_drafts, under_load(max_drafts, self.share))
 
     def observe_load(self, busy: float) -> None:
         """Take a reading of how busy stage 0 has been lately (0..1); adaptive requests only."""
