@@ -37,17 +37,17 @@ def only_of(
     Two tasks of one nursery often fail from the same cause (a lane's reader and writer both
     see the broken connection): the group then stands for that one failure.
     """
-    leaves: list[BaseException] = []
-    todo: list[BaseException] = [group]
-    while todo:
-        current = todo.pop()
-        if isinstance(current, BaseExceptionGroup):
-            todo.extend(reversed(current.exceptions))
-        else:
-            leaves.append(current)
-    if leaves and all(isinstance(leaf, kinds) for leaf in leaves):
-        return leaves[0]
-    return None
+    matched, rest = group.split(kinds)
+    if matched is None or rest is not None:
+        return None
+    return first_leaf(matched)  # split keeps the leaves in order
+
+
+def first_leaf(exc: BaseException) -> BaseException:
+    """``exc`` itself, or the first exception that is no group, in ``exc``'s order."""
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]  # no group is empty
+    return exc
 
 
 @contextmanager

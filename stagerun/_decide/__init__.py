@@ -8,15 +8,15 @@ shells are in `stagerun._driver` and `stagerun._stage`). It imports only `stager
 the error tree; tests/test_layers.py checks that.
 """
 
-from ._speculation import Command as Command
-from ._speculation import Commit as Commit
-from ._speculation import DraftRequest as DraftRequest
-from ._speculation import Finish as Finish
-from ._speculation import FinishReason as FinishReason
-from ._speculation import NewEpoch as NewEpoch
-from ._speculation import SendWindow as SendWindow
+from ._commands import Command as Command
+from ._commands import Commit as Commit
+from ._commands import DraftRequest as DraftRequest
+from ._commands import Finish as Finish
+from ._commands import FinishReason as FinishReason
+from ._commands import NewEpoch as NewEpoch
+from ._commands import SendWindow as SendWindow
+from ._commands import WindowTimings as WindowTimings
 from ._speculation import SpeculationController as SpeculationController
-from ._speculation import WindowTimings as WindowTimings
 from ._verdict import SpeculationStats as SpeculationStats
 from ._verdict import Verdict as Verdict
 from ._verdict import VerdictKind as VerdictKind

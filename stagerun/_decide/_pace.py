@@ -1,6 +1,10 @@
-"""How fast and how deep one request speculates: pace against plain decoding, adaptive depth.
+"""How deep and how wide one request speculates, and whether it drafts at all.
 
-Pure bookkeeping over timestamps and counters that the caller passes in; no clock is read here.
+The speculation policy of one request, owned by its `SpeculationController`: adaptive depth
+(`DepthControl`), pace against plain decoding (`PaceCheck`), the share of depth and drafts left
+under load (`speculation_share`, `under_load`), and the switch-off of drafting that doesn't
+pay, all gathered in `SpeculationPolicy`. Pure bookkeeping over timestamps, readings and
+counters that the caller passes in; no clock is read here.
 """
 
 from __future__ import annotations
@@ -37,10 +41,14 @@ class PaceCheck:
         if self.first_opened_ms is None:
             self.first_opened_ms = now_ms
 
-    def replied(self, window_id: int, now_ms: float) -> None:
+    def replied(self, window_id: int, now_ms: float) -> float | None:
+        """Take a reply for ``window_id``; return its round trip (None for a window not seen)."""
         opened = self._opened.pop(window_id, None)
-        if opened is not None:
-            self.shortest_round_trip_ms = min(self.shortest_round_trip_ms, now_ms - opened)
+        if opened is None:
+            return None
+        round_trip = now_ms - opened
+        self.shortest_round_trip_ms = min(self.shortest_round_trip_ms, round_trip)
+        return round_trip
 
     def forget(self, window_ids: Sequence[int]) -> None:
         for window_id in window_ids:
@@ -71,9 +79,12 @@ MIN_CHAIN_PROBABILITY = 0.2
 class DepthControl:
     """How many live windows an adaptive request may keep in flight (pure bookkeeping).
 
-    With the prior (p = 0.5) a request starts at depth 3; windows accepted in full raise the
-    estimate and the depth (p = 0.8 allows 7), rejections lower it to 1. Without ``adaptive``
-    the configured depth always applies.
+    The depth is the most windows ``k`` (up to the configured depth) for which the chance that
+    every window ahead of the last one is accepted in full, ``p**(k-1)``, is still at least
+    ``MIN_CHAIN_PROBABILITY``. With the prior (p = 0.7) a request starts at depth 5 (p = 0.5
+    allows 3, p = 0.8 allows 8); windows accepted in full raise the estimate and the depth,
+    rejections lower it, to 1 once p falls below 0.2. Without ``adaptive`` the configured depth
+    always applies.
     """
 
     def __init__(self, depth: int, *, adaptive: bool) -> None:
@@ -124,3 +135,73 @@ def under_load(allowed: int, share: float) -> int:
     if share <= 0.0:
         return 0
     return max(1, math.floor(allowed * share + 0.5))
+
+
+class SpeculationPolicy:
+    """One request's speculation policy: depth, drafts per window, and whether it drafts.
+
+    The `SpeculationController` owns it and feeds it: every window opened and every reply (for
+    the pace), every judged window (for the depth), and each load reading. Without
+    ``adaptive`` the configured depth and width always apply and drafting never stops.
+
+    Args:
+        depth: the configured depth (windows in flight at most).
+        adaptive: let depth follow acceptance and load, and switch off drafting that doesn't pay.
+        generated: tokens generated before the first window (the pace counts those after).
+    """
+
+    def __init__(self, depth: int, *, adaptive: bool, generated: int = 0) -> None:
+        self.adaptive = adaptive
+        self.depth = DepthControl(depth, adaptive=adaptive)
+        self.pace = PaceCheck()
+        self.share = 1.0
+        self.drafting = True
+        self._generated_at_start = generated
+
+    def __repr__(self) -> str:
+        return (
+            f"<SpeculationPolicy adaptive={self.adaptive} allowed={self.depth.allowed} "
+            f"share={self.share:.2f} window_limit={self.window_limit()} "
+            f"drafting={self.drafting}>"
+        )
+
+    def window_limit(self) -> int:
+        """Live windows the request may keep in flight now: its depth cut to the load share,
+        at least one."""
+        return max(1, under_load(self.depth.allowed, self.share))
+
+    def drafts_for(self, max_drafts: int) -> int:
+        """How many drafts to ask the drafter for, for a window that may carry ``max_drafts``:
+        cut to the load share; 0 once drafting is switched off (or from 90% busy on)."""
+        if not self.drafting:
+            return 0
+        # under_load keeps at least one of anything, but a window that may carry no drafts
+        # (the budget's last token) gets none: the drafter is not asked for them.
+        return min(max_drafts, under_load(max_drafts, self.share))
+
+    def observe_load(self, busy: float) -> None:
+        """Take a reading of how busy stage 0 has been lately (0..1); adaptive requests only."""
+        self.share = speculation_share(busy) if self.adaptive else 1.0
+
+    def observe_windows(self, before: SpeculationStats, after: SpeculationStats) -> None:
+        """Take the windows judged between two snapshots of the request's counters."""
+        self.depth.observe(before, after)
+
+    def judge_drafting(self, stats: SpeculationStats, generated: int, now_ms: float) -> bool:
+        """Switch drafting off for good once it is measured not to pay; True if it is still on.
+
+        After ``ADAPTIVE_MIN_WINDOWS`` windows with drafts, drafting stops when the accept rate
+        is below ``ADAPTIVE_MIN_ACCEPT_RATE`` or the tokens committed since the first window
+        (``generated`` counts all of them) come slower than plain decoding (`PaceCheck`).
+        """
+        if self.drafting and self._not_paying(stats, generated, now_ms):
+            self.drafting = False  # plain decoding through one-token windows from now on
+        return self.drafting
+
+    def _not_paying(self, stats: SpeculationStats, generated: int, now_ms: float) -> bool:
+        if not self.adaptive or sum(stats.proposed_by_position[:1]) < ADAPTIVE_MIN_WINDOWS:
+            return False
+        committed = generated - self._generated_at_start
+        return stats.accept_rate < ADAPTIVE_MIN_ACCEPT_RATE or self.pace.slower_than_plain(
+            committed, now_ms
+        )

@@ -7,9 +7,11 @@ The controller owns one request's decode after prefill. It holds the committed h
 and a :class:`~._windows.VerifyWindowScheduler` whose FIFO is the single record of the windows
 in flight. It never does I/O and never reads a clock; a Trio shell drives it (decide, then do):
 
-1. **Fill.** While :meth:`SpeculationController.next_draft_request` returns a
-   :class:`DraftRequest`, the shell asks its drafter for up to ``max_drafts`` tokens following
-   ``context`` and hands them to :meth:`~SpeculationController.open_window`, which returns a
+1. **Fill.** Before each fill the shell passes in stage 0's load reading
+   (:meth:`~SpeculationController.observe_load`). While
+   :meth:`SpeculationController.next_draft_request` returns a :class:`DraftRequest`, the shell
+   asks its drafter for ``drafts`` tokens following ``context`` (none when ``drafts`` is 0) and
+   hands them to :meth:`~SpeculationController.open_window`, which returns a
    :class:`SendWindow` to carry out (stage-0 compute + ``Verify`` on the lane). With no live
    window in flight the window *starts an epoch*: inputs ``[c, d1..dk]`` at the position of
    ``c``. Otherwise (depth above 1) it is a *continuation chunk* of the current epoch, drafted on
@@ -36,101 +38,44 @@ token budget. Live windows always belong to the current epoch and queue behind e
 window, and after each reply plus a fill at least one live window is in flight until the request
 finishes, so a shell that waits for the next reply never waits on a cancelled window alone.
 
-With ``adaptive=True`` the draft width follows the original's draft-model policy: one more after
-a full accept or a tail reject (up to the configured width), one less after an early reject.
+With ``adaptive=True`` the draft width follows the original's draft-model policy: doubled after
+a full accept, one more after a tail reject (up to the configured width), one less after an
+early reject. The rest of the policy is the controller's `SpeculationPolicy`
+(`stagerun._decide._pace`), fed from here: the live windows in flight follow the full-accept
+rate (`DepthControl`), depth and drafts shrink as stage 0's load rises
+(`speculation_share`), and drafting is switched off for the rest of the request once it is
+measured not to pay (`SpeculationPolicy.judge_drafting`). Without ``adaptive`` the
+configured depth and width always apply.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from typing import Literal, TypeAlias
+import math
+from collections.abc import Collection, Sequence
 
 import attrs
 
 from .._errors import VerifyWindowError
+from ._commands import (
+    Command,
+    Commit,
+    DraftRequest,
+    Finish,
+    FinishReason,
+    NewEpoch,
+    SendWindow,
+    WindowTimings,
+)
+from ._pace import ADAPTIVE_INITIAL_WIDTH, SpeculationPolicy
 from ._verdict import (
     SpeculationStats,
     Verdict,
     VerdictKind,
     accept_window,
     compose_target_predictions,
+    speculation_timings,
 )
-from ._windows import VerifyWindow, VerifyWindowScheduler
-
-FinishReason: TypeAlias = Literal["eog", "length", "stop", "cancelled"]
-
-
-@attrs.frozen
-class DraftRequest:
-    """What the drafter is asked for before the next window opens.
-
-    Attributes:
-        context: committed history plus the drafts of the live windows in flight.
-        max_drafts: the most drafts the window may carry (0: a plain decode step).
-        position: absolute position of the token the first draft guesses.
-        starts_epoch: whether the window will start a new epoch.
-    """
-
-    context: tuple[int, ...]
-    max_drafts: int
-    position: int
-    starts_epoch: bool
-
-
-@attrs.frozen
-class WindowTimings:
-    """What a window cost stage 0, in milliseconds (used for stale windows' accounting)."""
-
-    drain_ms: float = 0.0
-    stage0_compute_ms: float = 0.0
-    forward_write_ms: float = 0.0
-    downstream_wait_ms: float = 0.0
-    verify_elapsed_ms: float = 0.0
-
-
-@attrs.frozen
-class SendWindow:
-    """Compute ``window.inputs`` at ``window.base_position`` on stage 0 and send ``Verify``."""
-
-    window: VerifyWindow
-
-
-@attrs.frozen
-class Commit:
-    """Stream ``tokens`` to the client (the target's own; may end with an EOG token)."""
-
-    window_id: int
-    tokens: tuple[int, ...]
-
-
-@attrs.frozen
-class NewEpoch:
-    """A divergence: ``Cancel`` the now stale windows; the next epoch restarts at a position."""
-
-    stale_epoch: int
-    epoch: int
-    cancel_window_ids: tuple[int, ...]
-    restart_position: int
-    reason: str
-
-
-@attrs.frozen
-class Finish:
-    """Generation is over: ``Cancel`` the windows made stale, then stop the request.
-
-    ``pending_window_ids`` lists every window whose reply may still arrive; the shell drains
-    them through :meth:`SpeculationController.on_predictions` and
-    :meth:`~SpeculationController.on_cancelled` (until ``drained``) or gives up on them.
-    """
-
-    reason: FinishReason
-    epoch: int
-    cancel_window_ids: tuple[int, ...]
-    pending_window_ids: tuple[int, ...]
-
-
-Command: TypeAlias = SendWindow | Commit | NewEpoch | Finish
-"""A step the Trio shell carries out, in the order the controller returned them."""
+from ._windows import TimingValue, VerifyWindow, VerifyWindowScheduler, response_timings
 
 
 class SpeculationController:
@@ -143,9 +88,11 @@ class SpeculationController:
         eog: end-of-generation token ids.
         depth: verify windows kept in flight at most (1: serial).
         width: drafts per window at most (0: plain decoding through windows).
-        adaptive: let the width shrink and grow with measured acceptance.
+        adaptive: let the width and depth follow measured acceptance and stage 0's load, and
+            switch drafting off once it does not pay (see `SpeculationPolicy`).
         initial_width: the width of the first windows (default ``width``); with ``adaptive``
-            a small start grows by one per well-accepted window, like a TCP slow start.
+            a small start grows with well-accepted windows, like a TCP slow start
+            (:meth:`for_request` starts adaptive requests so).
         now_ms: the time the request's occupancy accounting starts from.
     """
 
@@ -185,11 +132,40 @@ class SpeculationController:
         self._boundary: int | None = None
         self._horizon_dry = False
         self._stats = SpeculationStats()
+        self.policy = SpeculationPolicy(depth, adaptive=adaptive, generated=self.generated_count)
         self.finish_reason: FinishReason | None = None
         if self._history[-1] in self._eog:
             self.finish_reason = "eog"
         elif self.generated_count >= max_tokens:
             self.finish_reason = "length"
+
+    @classmethod
+    def for_request(
+        cls,
+        history: Sequence[int],
+        *,
+        prompt_len: int,
+        max_tokens: int,
+        eog: Collection[int] = (),
+        depth: int = 1,
+        width: int = 4,
+        adaptive: bool = False,
+        now_ms: float = 0.0,
+    ) -> SpeculationController:
+        """The controller of one request's decode, as the runtime starts it: an adaptive
+        request starts with ``ADAPTIVE_INITIAL_WIDTH`` drafts per window (at most ``width``)
+        and earns the rest; any other starts at ``width``."""
+        return cls(
+            history,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            eog=eog,
+            depth=depth,
+            width=width,
+            adaptive=adaptive,
+            initial_width=min(ADAPTIVE_INITIAL_WIDTH, width) if adaptive else None,
+            now_ms=now_ms,
+        )
 
     def __repr__(self) -> str:
         stale = sum(window.stale for window in self.scheduler.in_flight)
@@ -228,13 +204,56 @@ class SpeculationController:
     def width(self) -> int:
         return self._width
 
+    @property
+    def drafting(self) -> bool:
+        """False once drafting was switched off for the rest of the request (not paying)."""
+        return self.policy.drafting
+
+    @property
+    def window_limit(self) -> int:
+        """Live windows the request may keep in flight now (its depth, under load and
+        acceptance when adaptive)."""
+        return self.policy.window_limit()
+
+    @property
+    def shortest_round_trip_ms(self) -> float | None:
+        """The shortest window round trip measured so far (None before the first reply)."""
+        shortest = self.policy.pace.shortest_round_trip_ms
+        return None if math.isinf(shortest) else shortest
+
     def stats(self) -> SpeculationStats:
         return attrs.evolve(self._stats, width=self._width)
+
+    def timings(self, now_ms: float) -> dict[str, TimingValue]:
+        """The speculative entries of the response's ``timings`` map, as of ``now_ms``."""
+        stats = self.stats()
+        timings: dict[str, TimingValue] = {}
+        timings.update(speculation_timings(stats))
+        timings.update(response_timings(self.scheduler.stats(now_ms)))
+        timings["draft_n"] = stats.proposed
+        timings["draft_n_accepted"] = stats.accepted
+        timings["speculative_drafting_switched_off"] = not self.drafting
+        shortest = self.shortest_round_trip_ms
+        if shortest is not None:
+            timings["speculative_shortest_window_ms"] = round(shortest, 3)
+        return timings
 
     def _live(self) -> list[VerifyWindow]:
         return [window for window in self.scheduler.in_flight if not window.stale]
 
     # --- filling the pipeline ------------------------------------------------------------------
+
+    def observe_load(self, load: float, *, now_ms: float) -> None:
+        """Take stage 0's load reading (0..1, the share of the last second its ticks computed)
+        as windows are about to open, at ``now_ms``.
+
+        An adaptive request keeps fewer live windows in flight and asks for fewer drafts the
+        busier stage 0 is (`speculation_share`), and none from 90% busy on. Drafting is also
+        judged here, as of ``now_ms``: it is switched off for the rest of the request once it
+        is measured not to pay (`SpeculationPolicy.judge_drafting`).
+        """
+        self.policy.observe_load(load)
+        self.policy.judge_drafting(self._stats, self.generated_count, now_ms)
 
     def next_draft_request(self) -> DraftRequest | None:
         """The drafts the next window needs, or None when no window should open now."""
@@ -243,12 +262,16 @@ class SpeculationController:
         remaining = self._max_tokens - self.generated_count
         live = self._live()
         if not live:
+            max_drafts = min(self._width, remaining - 1)
             return DraftRequest(
                 context=tuple(self._history),
-                max_drafts=min(self._width, remaining - 1),
+                max_drafts=max_drafts,
                 position=len(self._history),
                 starts_epoch=True,
+                drafts=self.policy.drafts_for(max_drafts),
             )
+        if len(live) >= self.policy.window_limit():
+            return None
         if self._horizon_dry or not self.scheduler.supports_pipelining(self._width):
             return None
         optimistic = [token for window in live for token in window.proposal]
@@ -262,6 +285,7 @@ class SpeculationController:
             max_drafts=max_drafts,
             position=last.base_position + len(last.inputs),
             starts_epoch=False,
+            drafts=self.policy.drafts_for(max_drafts),
         )
 
     def open_window(self, drafts: Sequence[int], *, now_ms: float) -> SendWindow | None:
@@ -299,23 +323,8 @@ class SpeculationController:
             proposal=proposal,
             starts_epoch=request.starts_epoch,
         )
+        self.policy.pace.opened(window.id, now_ms)
         return SendWindow(window)
-
-    def fill(
-        self, propose: Callable[[Sequence[int], int], Sequence[int]], *, now_ms: float
-    ) -> list[Command]:
-        """Open windows until the pipeline is full, with a synchronous drafter.
-
-        ``propose(context, max_drafts)`` returns the drafts following ``context``. A shell whose
-        drafter awaits runs the same loop itself over :meth:`next_draft_request`.
-        """
-        commands: list[Command] = []
-        while (request := self.next_draft_request()) is not None:
-            send = self.open_window(propose(request.context, request.max_drafts), now_ms=now_ms)
-            if send is None:
-                break
-            commands.append(send)
-        return commands
 
     # --- replies -------------------------------------------------------------------------------
 
@@ -329,7 +338,8 @@ class SpeculationController:
     ) -> list[Command]:
         """Take the predictions of window ``window_id``; return the commands they lead to.
 
-        ``timings`` is what the window cost, counted when the window turns out to be stale.
+        ``timings`` is what the window cost, counted when the window turns out to be stale
+        (without it, its round trip; see `WindowTimings`).
 
         Raises:
             VerifyWindowError: the reply is out of order, for no window in flight, or its
@@ -343,11 +353,14 @@ class SpeculationController:
                 f"{window.base_position}) returned {len(predictions)} tokens for "
                 f"{len(window.inputs)} inputs"
             )
-        self.scheduler.discard_stale_before(window_id, now_ms=now_ms)
+        round_trip = self.policy.pace.replied(window_id, now_ms)
+        dropped = self.scheduler.discard_stale_before(window_id, now_ms=now_ms)
+        self.policy.pace.forget([w.id for w in dropped])
         self.scheduler.complete_next(window_id, now_ms=now_ms)
         self._horizon_dry = False
         if window.stale:
-            self.scheduler.record_stale_execution(*attrs.astuple(timings or WindowTimings()))
+            cost = timings or WindowTimings(verify_elapsed_ms=round_trip or 0.0)
+            self.scheduler.record_stale_execution(*attrs.astuple(cost))
             return []
         if window.starts_epoch:
             target = predictions
@@ -402,6 +415,7 @@ class SpeculationController:
             VerifyWindowError: a listed window is not stale.
         """
         dropped = self.scheduler.discard_cancelled(window_ids, now_ms=now_ms)
+        self.policy.pace.forget(window_ids)
         return tuple(window.id for window in dropped)
 
     @property
@@ -436,7 +450,9 @@ class SpeculationController:
         ]
 
     def _observe(self, verdict: Verdict, proposed: int) -> None:
+        before = self._stats
         self._stats = self._stats.observe(verdict, proposed)
+        self.policy.observe_windows(before, self._stats)
         if not self._adaptive or self._max_width == 0:
             return
         if verdict.kind is VerdictKind.FULL_ACCEPT:

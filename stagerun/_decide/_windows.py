@@ -5,8 +5,10 @@ Theory of operation
 A *verify window* is one traversal of the pipeline by a contiguous span of tokens (a base token
 and draft tokens, or a continuation chunk of drafts). Stage 0 may keep up to ``depth`` windows in
 flight at once so the hops of one window overlap the compute of the next; depth 1 is serial
-decoding and never pipelines. ``depth`` is a fixed fill target for the request (the original
-removed adaptive depth), bounded by :data:`MAX_VERIFY_WINDOW_DEPTH`.
+decoding and never pipelines. ``depth`` is the request's configured depth, bounded by
+:data:`MAX_VERIFY_WINDOW_DEPTH`: the scheduler never holds more, stale windows included. How
+many live windows an adaptive request keeps below it is the speculation policy's decision
+(`SpeculationPolicy.window_limit` in ``_pace``), not the scheduler's.
 
 Window ids start at 1 and grow by one per :meth:`~VerifyWindowScheduler.open`; replies must come
 back in the order the windows were opened (:meth:`~VerifyWindowScheduler.complete_next` checks
@@ -77,7 +79,14 @@ class VerifyWindow:
 
 @attrs.frozen
 class VerifyWindowStats:
-    """A snapshot of a scheduler's counters and occupancy (times in milliseconds)."""
+    """A snapshot of a scheduler's counters and occupancy (times in milliseconds).
+
+    The ``stale_*_ms`` times are what stale windows whose reply still came cost
+    (:meth:`VerifyWindowScheduler.record_stale_execution`). The speculation controller
+    measures a stale window's round trip itself, as ``stale_verify_elapsed_ms``; the drain,
+    stage 0 compute, forward write and downstream wait times come only from a caller that
+    passes them (`WindowTimings`), and stay 0 otherwise. Windows dropped on ``Cancel`` cost 0.
+    """
 
     depth: int
     direct_prediction_return: bool = False
@@ -169,7 +178,7 @@ class VerifyWindowScheduler:
 
     @property
     def depth(self) -> int:
-        """The configured fill target."""
+        """The configured depth: the most windows in flight, stale ones included."""
         return self._depth
 
     @property

@@ -1,9 +1,12 @@
 """The Trio shell of speculative decoding: carries out the controller's decisions.
 
-Theory of operation: `SpeculationController` (sans-IO, in `stagerun._proto`) decides which
-verify windows to open and what each reply commits; this module only does the I/O. It keeps
-up to ``depth`` windows in flight on the request's lane, each drafted on the assumption that
-the earlier ones are accepted. When a draft diverges the controller commits the target's
+Theory of operation: `SpeculationController` (sans-IO, in `stagerun._decide`) decides which
+verify windows to open, how many drafts each may carry and what each reply commits, and owns
+the request's speculation policy (adaptive depth and width, the share left under load, the
+switch-off of drafting that doesn't pay); this module only does the I/O and feeds it the
+replies, the load readings and the times. It keeps up to the controller's window limit in
+flight on the request's lane, each drafted on the assumption that the earlier ones are
+accepted. When a draft diverges the controller commits the target's
 correction and returns a `NewEpoch`: the shell sends one ``Cancel`` for the stale windows and
 opens the next epoch's windows at once, without waiting for stale replies. Stages drop stale
 windows still queued and stop a stale compute at the next layer; the last stage answers the
@@ -35,17 +38,6 @@ from .._decide import (
     NewEpoch,
     SendWindow,
     SpeculationController,
-    response_timings,
-    speculation_timings,
-)
-from .._decide._pace import (
-    ADAPTIVE_INITIAL_WIDTH,
-    ADAPTIVE_MIN_ACCEPT_RATE,
-    ADAPTIVE_MIN_WINDOWS,
-    DepthControl,
-    PaceCheck,
-    speculation_share,
-    under_load,
 )
 from .._errors import LaneError, StageError
 from .._util import one_failure, single_exceptions
@@ -118,10 +110,10 @@ class Speculating(Protocol):
 class SpeculativeDecode:
     """One request's speculative decoding: the controller's commands carried out on a lane.
 
-    `run` keeps up to the allowed depth of live windows in flight (`fill`), reads every reply
-    the moment it arrives (`_read_replies`), hands it to the controller (`_on_reply`) and
-    carries out what comes back (`apply`): windows to send, tokens to commit, stale windows
-    to cancel. On one stage the route answers each window as it is sent.
+    `run` opens the windows the controller asks for (`fill`), reads every reply the moment it
+    arrives (`_read_replies`), hands it to the controller (`_on_reply`) and carries out what
+    comes back (`apply`): windows to send, tokens to commit, stale windows to cancel. On one
+    stage the route answers each window as it is sent.
     """
 
     def __init__(self, request: Speculating, lane: Route, history: list[int]) -> None:
@@ -138,7 +130,7 @@ class SpeculativeDecode:
         self.config = config
         self.drafter = drafter
         self._started = time.perf_counter()
-        self.controller = SpeculationController(
+        self.controller = SpeculationController.for_request(
             history,
             prompt_len=prompt_len,
             max_tokens=request.max_tokens,
@@ -146,24 +138,19 @@ class SpeculativeDecode:
             depth=config.depth,
             width=config.window,
             adaptive=config.adaptive,
-            initial_width=min(ADAPTIVE_INITIAL_WIDTH, config.window) if config.adaptive else None,
             now_ms=0.0,
         )
-        self.depth = DepthControl(config.depth, adaptive=config.adaptive)
         if lane.direct_return:  # predictions come back on a return path stage 0 opened
             self.controller.scheduler.mark_direct_prediction_return(upstream_opened=True)
         drafter.begin(history[:prompt_len])
         drafter.commit(history[prompt_len:])
-        self.drafting = True
-        self.pace = PaceCheck()
-        self._generated_at_start = self.controller.generated_count
         self._tel = telemetry.current()
         self._opened_ns: dict[int, tuple[int, int]] = {}  # window id -> (opened at, inputs)
 
     def __repr__(self) -> str:
         return (
             f"<SpeculativeDecode request={self.request_id} in_flight={self._live_in_flight()} "
-            f"allowed={self.depth.allowed} drafting={self.drafting}>"
+            f"allowed={self.controller.window_limit} drafting={self.controller.drafting}>"
         )
 
     def now_ms(self) -> float:
@@ -204,55 +191,36 @@ class SpeculativeDecode:
             and any(w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight)
         )
         if isinstance(reply, _proto.Cancelled):
-            self.pace.forget(reply.window_ids)
             controller.on_cancelled(reply.window_ids, now_ms=self.now_ms())
         else:
-            self.pace.replied(reply.window_id, self.now_ms())
             await self.apply(
                 controller.on_predictions(reply.window_id, reply.tokens, now_ms=self.now_ms())
             )
-        stats = controller.stats()
         if self._tel.enabled:
             _window_spans(
                 self._tel,
                 self.request_id,
                 reply,
                 self._opened_ns,
-                stats.accepted - before.accepted,
+                controller.stats().accepted - before.accepted,
                 was_stale,
             )
-        self.depth.observe(before, stats)
-        if self.drafting and self._not_paying(stats):
-            self.drafting = False  # measured not to pay: plain decoding through windows
-
-    def _not_paying(self, stats: _decide.SpeculationStats) -> bool:
-        """Whether drafting is measured to cost more than it gains, for this request."""
-        if not self.config.adaptive or sum(stats.proposed_by_position[:1]) < ADAPTIVE_MIN_WINDOWS:
-            return False
-        committed = self.controller.generated_count - self._generated_at_start
-        return stats.accept_rate < ADAPTIVE_MIN_ACCEPT_RATE or self.pace.slower_than_plain(
-            committed, self.now_ms()
-        )
 
     def _live_in_flight(self) -> int:
         return sum(not window.stale for window in self.controller.scheduler.in_flight)
 
     async def fill(self) -> None:
-        """Open windows while the depth allows and the controller wants drafts.
+        """Open the windows the controller asks for, with the drafts it asks for.
 
-        Under load the depth and the drafts shrink (`speculation_share`): rows other
-        requests' tokens need are not spent on guesses; as the load falls they grow back.
+        The controller first takes stage 0's load reading: how many windows open and how many
+        drafts each carries is its decision (under load both shrink; see
+        `SpeculationController.observe_load`).
         """
-        share = speculation_share(self.request.load()) if self.config.adaptive else 1.0
-        depth = max(1, under_load(self.depth.allowed, share))
-        while (
-            self._live_in_flight() < depth
-            and (request := self.controller.next_draft_request()) is not None
-        ):
+        self.controller.observe_load(self.request.load(), now_ms=self.now_ms())
+        while (request := self.controller.next_draft_request()) is not None:
             proposal: Sequence[int] = ()
-            drafts = under_load(request.max_drafts, share)
-            if self.drafting and drafts > 0:
-                proposal = await self._propose(request.context, drafts)
+            if request.drafts > 0:
+                proposal = await self._propose(request.context, request.drafts)
             opened = self.controller.open_window(proposal, now_ms=self.now_ms())
             if opened is None:
                 return  # no drafts for a continuation: wait for the next reply
@@ -286,7 +254,6 @@ class SpeculativeDecode:
 
     async def send(self, window: _decide.VerifyWindow) -> None:
         """Compute stage 0's part of ``window`` and send it (or verify it here, alone)."""
-        self.pace.opened(window.id, self.now_ms())
         if self._tel.enabled:
             self._opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
         message = _proto.Verify(
@@ -309,13 +276,4 @@ class SpeculativeDecode:
 
     def timings(self) -> dict[str, Any]:
         """The speculative timing keys of the response."""
-        stats = self.controller.stats()
-        timings: dict[str, Any] = {}
-        timings.update(speculation_timings(stats))
-        timings.update(response_timings(self.controller.scheduler.stats(self.now_ms())))
-        timings["draft_n"] = stats.proposed
-        timings["draft_n_accepted"] = stats.accepted
-        timings["speculative_drafting_switched_off"] = not self.drafting
-        if not math.isinf(self.pace.shortest_round_trip_ms):
-            timings["speculative_shortest_window_ms"] = round(self.pace.shortest_round_trip_ms, 3)
-        return timings
+        return dict(self.controller.timings(self.now_ms()))

@@ -35,7 +35,7 @@ gets it on every layer.
 
 More families come from plugins: an entry point in the ``stagerun.architectures`` group whose
 name is the architecture and whose object is a `Family` (or a callable returning one); see
-docs/models.md and `stagerun.plugins.families`.
+docs/models.md and `stagerun.plugins.family`.
 """
 
 from __future__ import annotations

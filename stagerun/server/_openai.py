@@ -1,7 +1,7 @@
 """The OpenAI request surface: JSON bodies parsed into typed values, and the error envelope.
 
 Theory of operation: nothing here does I/O. A handler reads the body, calls
-`parse_completion_request` (or the chat variant) and gets either a frozen
+`parse_generation_request` (kind ``completion`` or ``chat``) and gets either a frozen
 `GenerationRequest` or an `ApiError` that already carries the HTTP status and the
 ``{"error": {"message", "type", "param", "code"}}`` envelope. Messages say what to fix, and
 ``param`` names the offending field the way OpenAI does (``messages[1].content``).

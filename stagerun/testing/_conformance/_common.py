@@ -10,20 +10,24 @@ import attrs
 import trio
 import trio.testing
 
+from ..._util import first_leaf
+
 _RECEIVE_SIZE = 1 << 18  # what stagerun's lanes ask receive_some for
 
 
 # --- shared machinery -------------------------------------------------------------------------
 
 
-def _leaves(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
-    return [exc]
-
-
 def _first_assertion(exc: BaseException) -> AssertionError | None:
-    return next((e for e in _leaves(exc) if isinstance(e, AssertionError)), None)
+    """``exc`` if it is an AssertionError, else the first one in its group (in order)."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc if isinstance(exc, AssertionError) else None
+    assertions, _ = exc.split(AssertionError)
+    if assertions is None:
+        return None
+    found = first_leaf(assertions)  # split keeps the leaves in order
+    assert isinstance(found, AssertionError), found
+    return found
 
 
 @attrs.define
@@ -62,7 +66,7 @@ def _checking(suite: str, name: str, timeout: float | None = None) -> Iterator[_
             raise found from None
         if not isinstance(exc, Exception):
             raise
-        leaf = _leaves(exc)[0]
+        leaf = first_leaf(exc)
         raise AssertionError(f"{suite}: {name}: raised {type(leaf).__name__}: {leaf}") from exc
 
 

@@ -13,6 +13,7 @@ import trio.testing
 
 from ... import _proto
 from ..._errors import LaneBrokenError, LaneHandshakeError, ProtocolError
+from ..._util import first_leaf
 from ..._wire._framed import FrameStream, client_handshake, server_handshake
 from ...abc import Transport
 from ._common import (
@@ -20,7 +21,6 @@ from ._common import (
     _Check,
     _checking,
     _first_assertion,
-    _leaves,
 )
 
 
@@ -90,7 +90,7 @@ class _TransportChecks:
                 raise found from None
             if not isinstance(exc, Exception):
                 raise
-            leaf = _leaves(exc)[0]
+            leaf = first_leaf(exc)
             raise AssertionError(
                 f"check_transport: serve: serve() or the connection handler raised "
                 f"{type(leaf).__name__}: {leaf}"
