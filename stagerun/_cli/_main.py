@@ -127,7 +127,7 @@ async def _generate(args: argparse.Namespace) -> int:
                     "token_ids": result.token_ids,
                     "prompt_token_ids": result.prompt_token_ids,
                     "finish_reason": result.finish_reason,
-                    "timings": result.timings,
+                    "timings": result.timings.to_json(),
                 }
             )
         )

@@ -16,6 +16,7 @@ from ._commands import FinishReason as FinishReason
 from ._commands import NewEpoch as NewEpoch
 from ._commands import SendWindow as SendWindow
 from ._commands import WindowTimings as WindowTimings
+from ._measured import SpeculationTimings as SpeculationTimings
 from ._speculation import SpeculationController as SpeculationController
 from ._verdict import SpeculationStats as SpeculationStats
 from ._verdict import Verdict as Verdict

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import attrs
 
@@ -66,6 +67,7 @@ from ._commands import (
     SendWindow,
     WindowTimings,
 )
+from ._measured import SpeculationTimings
 from ._pace import ADAPTIVE_INITIAL_WIDTH, SpeculationPolicy
 from ._verdict import (
     SpeculationStats,
@@ -73,9 +75,8 @@ from ._verdict import (
     VerdictKind,
     accept_window,
     compose_target_predictions,
-    speculation_timings,
 )
-from ._windows import TimingValue, VerifyWindow, VerifyWindowScheduler, response_timings
+from ._windows import VerifyWindow, VerifyWindowScheduler
 
 
 class SpeculationController:
@@ -224,19 +225,18 @@ class SpeculationController:
     def stats(self) -> SpeculationStats:
         return attrs.evolve(self._stats, width=self._width)
 
-    def timings(self, now_ms: float) -> dict[str, TimingValue]:
+    def measured(self, now_ms: float) -> SpeculationTimings:
+        """What the request's speculation measured, as of ``now_ms``."""
+        return SpeculationTimings(
+            stats=self.stats(),
+            windows=self.scheduler.stats(now_ms),
+            drafting_switched_off=not self.drafting,
+            shortest_window_ms=self.shortest_round_trip_ms,
+        )
+
+    def timings(self, now_ms: float) -> dict[str, Any]:
         """The speculative entries of the response's ``timings`` map, as of ``now_ms``."""
-        stats = self.stats()
-        timings: dict[str, TimingValue] = {}
-        timings.update(speculation_timings(stats))
-        timings.update(response_timings(self.scheduler.stats(now_ms)))
-        timings["draft_n"] = stats.proposed
-        timings["draft_n_accepted"] = stats.accepted
-        timings["speculative_drafting_switched_off"] = not self.drafting
-        shortest = self.shortest_round_trip_ms
-        if shortest is not None:
-            timings["speculative_shortest_window_ms"] = round(shortest, 3)
-        return timings
+        return self.measured(now_ms).to_json()
 
     def _live(self) -> list[VerifyWindow]:
         return [window for window in self.scheduler.in_flight if not window.stale]

@@ -31,6 +31,7 @@ import numpy as np
 import trio
 
 from .. import _proto, telemetry
+from .._decide import SpeculationTimings
 from .._decide._prefill import ChunkPolicy
 from .._engine import Session, StageEngine
 from .._errors import LaneError, RecoveryFailedError, StageError, StageGivenUpError
@@ -43,6 +44,7 @@ from ._prefill import PrefillReport
 from ._route import LaneRoute, LocalRoute, PrefillSettings, Route
 from ._speculative import SpeculativeDecode
 from ._supervise import given_up
+from ._timings import PrefillTimings, RecoveryTimings, Timings
 from ._values import Completion, StageInfo, TokenChunk
 
 log = logging.getLogger("stagerun.pipeline")
@@ -137,7 +139,10 @@ class Request:
         self.request_id = secrets.randbits(62)
         self.generated: list[int] = []
         self.session: Session  # on stage 0, for the attempt running (`attempt`)
-        self.extra: dict[str, Any] = {}  # timings beyond the standard ones
+        # What the request measures of itself, by concern (see `Timings`).
+        self.prefill_timings = PrefillTimings()
+        self.recovery_timings = RecoveryTimings()
+        self.speculation_timings: SpeculationTimings | None = None
         # What the pipeline counts of this request (`stagerun.Pipeline` adds them up).
         self.recoveries = 0
         self.recovery_failed = False
@@ -231,14 +236,14 @@ class Request:
         if self.t_first is None:
             self.t_first = time.perf_counter()
         else:  # a recovery: the replay took this long
-            self.extra["recovery_replay_ms"] += (time.perf_counter() - replay_start) * 1000.0
+            self.recovery_timings.replay_ms += (time.perf_counter() - replay_start) * 1000.0
         if first in self.eog:
             return True
         if await self.commit(first) or len(self.generated) >= self.max_tokens:
             return False
         if self.drafter is not None:
             spec_timings, reason = await SpeculativeDecode(self, route, [*context, first]).run()
-            self.extra.update(spec_timings)  # after a recovery: the last stretch's figures
+            self.speculation_timings = spec_timings  # after a recovery: the last stretch's
             return reason == "eog"
         return await self.decode_plain(route, first, len(context))
 
@@ -250,11 +255,11 @@ class Request:
         Then the context's blocks are remembered on every stage for later requests.
         """
         prefilled = await route.prefill(self, context, names)
-        self.extra["prefix_cached_tokens"] = prefilled.start  # of the last prefill
+        timings = self.prefill_timings
+        timings.prefix_cached_tokens = prefilled.start  # of the last prefill
         if prefilled.report is not None:
             self.last_prefill = prefilled.report
-            chunks = self.extra.get("prefill_chunks", 0) + prefilled.report.chunks
-            self.extra["prefill_chunks"] = chunks
+            timings.chunks = (timings.chunks or 0) + prefilled.report.chunks
         await self.remember(route, context, len(context))
         return prefilled.token
 
@@ -337,9 +342,8 @@ class Request:
         started = time.perf_counter()
         await self._await_lane(policy, failure)
         attempt.wait_ms += (time.perf_counter() - started) * 1000.0
-        self.extra["recoveries"] = attempt.breaks
-        self.extra["recovery_wait_ms"] = attempt.wait_ms
-        self.extra.setdefault("recovery_replay_ms", 0.0)
+        self.recovery_timings.recoveries = attempt.breaks
+        self.recovery_timings.wait_ms = attempt.wait_ms
         self.recoveries += 1
         self.request_id = secrets.randbits(62)  # a new chain session on every stage
 
@@ -398,26 +402,20 @@ class Request:
             timings=timings,
         )
 
-    def timings(self, t_end: float) -> dict[str, Any]:
-        """The llama-server style timings (prompt and predicted), and the extra ones."""
+    def timings(self, t_end: float) -> Timings:
+        """The prompt's and the decode's times, with every section the request filled in."""
         assert self.t_first is not None
-        n, prompt_n = len(self.generated), len(self.prompt_ids)
-        prompt_ms = (self.t_first - self.t_start) * 1000.0
-        decode_ms = (t_end - self.t_first) * 1000.0
-        timings: dict[str, Any] = {
-            "prompt_n": prompt_n,
-            "prompt_ms": prompt_ms,
-            "prompt_per_second": prompt_n * 1000.0 / max(prompt_ms, 1e-9),
-            "predicted_n": n,
-            "predicted_ms": decode_ms,
-            "predicted_per_second": (n - 1) * 1000.0 / decode_ms
-            if n > 1 and decode_ms > 0
-            else 0.0,
-        }
-        timings.update(self.extra)
-        return timings
+        return Timings(
+            prompt_n=len(self.prompt_ids),
+            prompt_ms=(self.t_first - self.t_start) * 1000.0,
+            predicted_n=len(self.generated),
+            predicted_ms=(t_end - self.t_first) * 1000.0,
+            prefill=self.prefill_timings,
+            recovery=self.recovery_timings,
+            speculation=self.speculation_timings,
+        )
 
-    def _summary_spans(self, t_end: float, timings: dict[str, Any], finish: str) -> None:
+    def _summary_spans(self, t_end: float, timings: Timings, finish: str) -> None:
         tel = telemetry.current()
         if not tel.enabled:
             return
@@ -432,7 +430,7 @@ class Request:
                 "llama_stage.request_id": self.request_id,
                 "llama_stage.token_count": n,
                 "llama_stage.speculative": self.drafter is not None,
-                "llama_stage.elapsed_ms": timings["predicted_ms"],
+                "llama_stage.elapsed_ms": timings.predicted_ms,
             },
         )
         label = {"stagerun.request_label": self.label} if self.label is not None else {}
@@ -443,10 +441,10 @@ class Request:
                 "llama_stage.request_id": self.request_id,
                 "llama_stage.prompt_token_count": len(self.prompt_ids),
                 "llama_stage.completion_token_count": n,
-                "llama_stage.prompt_ms": timings["prompt_ms"],
-                "llama_stage.decode_ms": timings["predicted_ms"],
+                "llama_stage.prompt_ms": timings.prompt_ms,
+                "llama_stage.decode_ms": timings.predicted_ms,
                 "llama_stage.finish_reason": finish,
-                "llama_stage.recoveries": int(self.extra.get("recoveries", 0)),
+                "llama_stage.recoveries": timings.recovery.recoveries,
                 "llama_stage.stages": len(self.pipeline.stages),
                 "llama_stage.elapsed_ms": (t_end - self.t_start) * 1000.0,
                 **label,

@@ -38,6 +38,7 @@ from .._decide import (
     NewEpoch,
     SendWindow,
     SpeculationController,
+    SpeculationTimings,
 )
 from .._errors import LaneError, StageError
 from .._util import one_failure, single_exceptions
@@ -156,7 +157,7 @@ class SpeculativeDecode:
     def now_ms(self) -> float:
         return (time.perf_counter() - self._started) * 1000.0
 
-    async def run(self) -> tuple[dict[str, Any], str | None]:
+    async def run(self) -> tuple[SpeculationTimings, str | None]:
         """Decode until the controller is drained; return the speculative timing keys for the
         response and why generation ended (``eog``, ``length`` or ``stop``)."""
         # The reader and the sender often see one broken lane at once: that is one lane failure.
@@ -274,6 +275,6 @@ class SpeculativeDecode:
                 _proto.Cancel(request_id=self.request_id, epoch=epoch, window_ids=window_ids)
             )
 
-    def timings(self) -> dict[str, Any]:
-        """The speculative timing keys of the response."""
-        return dict(self.controller.timings(self.now_ms()))
+    def timings(self) -> SpeculationTimings:
+        """What the request's speculation measured."""
+        return self.controller.measured(self.now_ms())

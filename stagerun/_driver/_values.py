@@ -10,6 +10,7 @@ import trio
 from .. import _proto
 from .._wire._connect import alternatives
 from ..model import ModelFile
+from ._timings import Timings
 
 __all__ = [
     "Completion",
@@ -37,7 +38,7 @@ class Completion:
     token_ids: list[int]
     prompt_token_ids: list[int]
     finish_reason: Literal["stop", "length"]
-    timings: dict[str, float]
+    timings: Timings  # typed, and a mapping of the llama-server style keys
 
 
 @attrs.frozen

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import json
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -129,7 +130,7 @@ class _SpeculativeTally:
         self.proposed: dict[str, int] = dict.fromkeys(names, 0)
         self.identical = True
 
-    def add(self, name: str, timings: dict[str, float]) -> None:
+    def add(self, name: str, timings: Mapping[str, Any]) -> None:
         """Count one completion's decode (its first token is prefill's) and its drafts."""
         self.tokens[name] += max(int(timings["predicted_n"]) - 1, 0)
         self.seconds[name] += timings["predicted_ms"] / 1000.0
