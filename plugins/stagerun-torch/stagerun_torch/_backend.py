@@ -195,6 +195,8 @@ class TorchBackend(GgufLayers, ComputeBackend):
             self._head: Matrix | None = None
             if w.output is not None and w.output_norm is not None:
                 head_dtype = torch.bfloat16 if self.weights == "int4" else self.dtype
+                if head_dtype == torch.bfloat16 and not _cpu_takes_bfloat16(self.device):
+                    head_dtype = torch.float32  # oneDNN's bfloat16 needs AVX-512 (or AVX-NE)
                 self._head = self._matrix(w.output * w.output_norm[None, :], head_dtype)
         self._eps = c.rms_eps
         self._gelu = c.family.activation == "gelu_tanh"
@@ -481,3 +483,14 @@ class TorchInt4Backend(TorchBackend):
     """`TorchBackend` with ``weights="int4"``: the GGUF's 4-bit blocks on the CPU."""
 
     default_weights: ClassVar[str] = "int4"
+
+
+def _cpu_takes_bfloat16(device: torch.device) -> bool:
+    """Whether oneDNN can prepack a bfloat16 matrix here (not on AVX2-only CPUs)."""
+    if device.type != "cpu" or not HAS_ONEDNN:
+        return True
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
