@@ -103,7 +103,8 @@ async def test_metrics_parse_as_prometheus_text(tiny_model_path: Path) -> None:
         assert samples[("stagerun_lanes_idle", ())] == 1
         assert [s.labels["stage"] for s in families["stagerun_stage_up"].samples] == ["0", "1"]
         assert {s.value for s in families["stagerun_stage_up"].samples} == {1}
-        assert families["stagerun_kv_budget_bytes"].samples == []  # no --kv-budget
+        assert samples[("stagerun_kv_reserved_bytes", ())] == 0  # nothing runs
+        assert samples[("stagerun_kv_budget_bytes", ())] > 0
 
 
 def _metrics() -> Metrics:
