@@ -5,12 +5,12 @@ distribution in one of four groups: ``stagerun.transports``, ``stagerun.backends
 ``stagerun.drafters`` and ``stagerun.architectures`` (model families, named by the
 ``general.architecture`` of the GGUF files they read). The registry lists them once per
 process (`installed`) without importing anything; a plugin is imported the first time it is
-asked for, then validated against its interface in `stagerun.abc` (the members it must have,
-coroutine or plain functions as required, and the parameters stagerun passes) or, for a
-family, `stagerun.model.Family`. Whatever goes wrong, an import
-error, a missing method, two distributions claiming one name, becomes a `PluginError` that
-names the plugin, its distribution and the problem, raised when that plugin is asked for and
-listed by ``stagerun plugins``; other plugins keep working. A third-party plugin that takes a
+asked for, then validated against its interface in `stagerun.abc` (`_plugin_checks`: the
+members it must have, coroutine or plain functions as required, and the parameters stagerun
+passes) or, for a family, `stagerun.model.Family`. Whatever goes wrong, an import error, a
+missing method, two distributions claiming one name, becomes a `PluginError` that names the
+plugin, its distribution and the problem, raised when that plugin is asked for and listed by
+``stagerun plugins``; other plugins keep working. A third-party plugin that takes a
 built-in's name is ignored, with a warning naming its distribution: the built-in wins.
 
 ``STAGERUN_PLUGINS`` restricts the third-party plugins: a comma-separated list whose items are
@@ -36,6 +36,7 @@ from typing import Any, Literal, TypeAlias
 import attrs
 
 from ._errors import StagerunError
+from ._plugin_checks import VALIDATORS, parameters
 
 __all__ = [
     "GROUPS",
@@ -280,7 +281,7 @@ def _load(
     if validate is not None:  # the kind's owner makes and checks it (model families)
         obj, problems = validate(obj, name)
     else:
-        problems = _VALIDATORS[kind](obj)
+        problems = VALIDATORS[kind](obj)
     if problems:
         info.status = "broken"
         info.problem = "; ".join(problems)
@@ -362,7 +363,7 @@ def build_backend(
 
 def takes_device(name: str) -> bool:
     """Whether backend ``name`` accepts a ``device`` keyword (``--device``)."""
-    params = _parameters(backend(name).__init__) or {}
+    params = parameters(backend(name).__init__) or {}
     return "device" in params or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
     )
@@ -382,120 +383,3 @@ def family(name: str) -> Any:
     from .model._families import make_family  # the model package imports this one lazily
 
     return _load("architectures", name, make_family).obj
-
-
-# --- validation --------------------------------------------------------------------------------
-
-
-def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter] | None:
-    try:
-        return dict(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return None
-
-
-def _check_method(
-    cls: type,
-    name: str,
-    *,
-    coroutine: bool,
-    positional: tuple[str, ...] = (),
-    keywords: tuple[str, ...] = (),
-) -> list[str]:
-    fn = inspect.getattr_static(cls, name, None)
-    if fn is None:
-        return [f"it has no {name}()"]
-    if isinstance(fn, (staticmethod, classmethod)):
-        fn = fn.__func__
-    if not callable(fn):
-        return [f"its {name} is not a method"]
-    if getattr(fn, "__isabstractmethod__", False):
-        return [f"its {name}() is abstract (not implemented)"]
-    if inspect.iscoroutinefunction(fn) != coroutine:
-        kind = "an async def" if coroutine else "a plain (blocking) def"
-        return [f"its {name}() must be {kind}"]
-    params = _parameters(fn)
-    if params is None:
-        return []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
-    problems = []
-    ordered = [p for p in params.values() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
-    var_positional = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in ordered)
-    if not var_positional and len(ordered) < 1 + len(positional):
-        problems.append(
-            f"its {name}() takes too few arguments (stagerun passes {', '.join(positional)})"
-        )
-    for keyword in keywords:
-        p = params.get(keyword)
-        if p is None or p.kind is inspect.Parameter.POSITIONAL_ONLY:
-            problems.append(f"its {name}() lacks the keyword parameter {keyword!r}")
-    return problems
-
-
-def _class_problems(obj: Any) -> list[str]:
-    if not inspect.isclass(obj):
-        return [f"it is a {type(obj).__name__}, not a class"]
-    abstract = sorted(getattr(obj, "__abstractmethods__", ()))
-    if abstract:
-        return [f"it leaves abstract methods unimplemented: {', '.join(abstract)}"]
-    return []
-
-
-def _validate_transport(obj: Any) -> list[str]:
-    problems = _class_problems(obj)
-    if problems:
-        return problems
-    schemes = getattr(obj, "schemes", None)
-    if not (
-        isinstance(schemes, tuple) and schemes and all(isinstance(s, str) and s for s in schemes)
-    ):
-        problems.append("its schemes must be a non-empty tuple of strings, like ('tcp',)")
-    problems += _check_method(
-        obj, "connect", coroutine=True, positional=("address",), keywords=("timeout",)
-    )
-    problems += _check_method(
-        obj, "serve", coroutine=True, positional=("address", "handler"), keywords=("task_status",)
-    )
-    return problems
-
-
-def _validate_backend(obj: Any) -> list[str]:
-    problems = _class_problems(obj)
-    if problems:
-        return problems
-    problems += _check_method(
-        obj, "__init__", coroutine=False, positional=("model", "layers"), keywords=("threads",)
-    )
-    for prop in ("layers", "is_first", "is_last"):
-        if inspect.getattr_static(obj, prop, None) is None:
-            problems.append(f"it has no {prop} property")
-    problems += _check_method(obj, "new_cache", coroutine=False)
-    problems += _check_method(
-        obj,
-        "forward",
-        coroutine=False,
-        positional=("cache", "position"),
-        keywords=("tokens", "hidden", "logits", "should_stop"),
-    )
-    return problems
-
-
-def _validate_drafter(obj: Any) -> list[str]:
-    problems = _class_problems(obj)
-    if problems:
-        return problems
-    problems += _check_method(obj, "begin", coroutine=False, positional=("prompt",))
-    problems += _check_method(obj, "commit", coroutine=False, positional=("tokens",))
-    problems += _check_method(obj, "propose", coroutine=False, positional=("context", "max_tokens"))
-    create = inspect.getattr_static(obj, "create", None)
-    if create is not None and not isinstance(create, classmethod):
-        problems.append("its create must be a classmethod taking the drafter options")
-    return problems
-
-
-_VALIDATORS: dict[Kind, Callable[[Any], list[str]]] = {
-    "transports": _validate_transport,
-    "backends": _validate_backend,
-    "drafters": _validate_drafter,
-}

@@ -49,12 +49,12 @@ from ._activations import (
     activation_nbytes,
     decode_activations,
 )
+from ._fields import _show
 from ._messages import (
     CARRIES_ACTIVATIONS,
     MESSAGE_TYPES,
     ActivationMessage,
     Message,
-    _show,
     structure_message,
     unstructure_message,
 )

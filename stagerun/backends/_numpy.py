@@ -39,6 +39,10 @@ is how the weights are laid out and how many numpy calls each layer makes:
 The backend is plain blocking code. ``threads`` limits OpenBLAS for the duration of each
 ``forward`` (and ``new_cache`` is free): the thread count is process-wide, so it is set on entry
 and restored on exit, which costs about 8 us a call.
+
+The pieces: `_kernels` (weight panels and their matmul, the activations, RoPE tables), `_kv`
+(a session's KV cache and the blocks the prefix cache copies), `_batch` (the sessions of one
+batched forward); this module packs the layers and runs them.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 from threadpoolctl import ThreadpoolController
@@ -57,17 +60,25 @@ from threadpoolctl import ThreadpoolController
 from .._errors import ComputeCancelled
 from ..abc import ForwardItem
 from ..model import LayerWeights, ModelFile, fuse_layer
-from ._inputs import check_positions, forward_one, poll_stops, stage_input
+from ._batch import _Batch
+from ._inputs import check_positions, forward_one, stage_input
+from ._kernels import (
+    _GEMM_ROWS,
+    _gelu_tanh,
+    _in_blocks,
+    _matmul,
+    _Panels,
+    _panels,
+    _Rope,
+    _silu,
+)
+from ._kv import _KEY_BLOCK, KVBlock, KVCache
 from ._layers import GgufLayers
 
 __all__ = ["KVBlock", "KVCache", "NumpyBackend"]
 
 F32 = npt.NDArray[np.float32]
-_CHUNK = 256  # first KV allocation, in tokens; later growth doubles
-_PANEL = 64  # columns per weight panel
-_GEMM_ROWS = 4  # rows of every gemm call: one kernel path for every row (see above)
 _ATTENTION_ROWS = 80  # query positions attended at once (bounds the score arrays)
-_KEY_BLOCK = 64  # keys per attention block: every sum over keys has this fixed length
 _controller: ThreadpoolController | None = None
 
 
@@ -79,70 +90,6 @@ def _blas_limit(threads: int | None) -> contextlib.AbstractContextManager[object
     if _controller is None:
         _controller = ThreadpoolController()
     return _controller.limit(limits=threads, user_api="blas")  # type: ignore[no-any-return]
-
-
-class KVCache:
-    """Keys and values of one session on one stage, for positions ``0..length-1``.
-
-    Keys are stored transposed, ``[layers, n_kv, head_dim, capacity]``, and values as
-    ``[layers, n_kv, capacity, head_dim]``: a block of keys is then a plain matrix for the
-    score gemm (a transposed operand makes OpenBLAS pick kernels by the row count, and a
-    row's scores would depend on its chunk). Storage grows in place by doubling, in whole key
-    blocks.
-    """
-
-    def __init__(self, n_layers: int, n_kv: int, head_dim: int, max_length: int) -> None:
-        self.length = 0
-        self._max = max_length
-        self._shape = (n_layers, n_kv, 0, head_dim)
-        self._k: F32 = np.zeros((n_layers, n_kv, head_dim, 0), np.float32)
-        self._v: F32 = np.zeros(self._shape, np.float32)
-
-    def __repr__(self) -> str:
-        return f"<KVCache length={self.length} capacity={self.capacity} layers={self._shape[0]}>"
-
-    @property
-    def capacity(self) -> int:
-        return int(self._v.shape[2])
-
-    def trim(self, position: int) -> None:
-        """Forget every position at and after ``position`` (no-op past the end)."""
-        if position < 0:
-            raise ValueError(f"cannot trim the KV cache to negative position {position}.")
-        self.length = min(self.length, position)
-
-    def _reserve(self, needed: int) -> None:
-        """Room for ``needed`` positions, in whole key blocks (attention reads whole blocks).
-
-        New room is zeros: the padding of the last block is masked, and must be finite.
-        """
-        needed = -(-needed // _KEY_BLOCK) * _KEY_BLOCK
-        if needed <= self.capacity:
-            return
-        cap = min(max(needed, 2 * self.capacity, _CHUNK), max(needed, self._max))
-        cap = -(-cap // _KEY_BLOCK) * _KEY_BLOCK
-        n_layers, n_kv, _, hd = self._shape
-        k = np.zeros((n_layers, n_kv, hd, cap), np.float32)
-        k[..., : self.length] = self._k[..., : self.length]
-        v = np.zeros((n_layers, n_kv, cap, hd), np.float32)
-        v[:, :, : self.length] = self._v[:, :, : self.length]
-        self._k, self._v = k, v
-
-
-@attrs.frozen(eq=False)
-class KVBlock:
-    """A copy of one cache's keys and values for a run of positions (`NumpyBackend.export_kv`)."""
-
-    k: F32  # [layers, n_kv, head_dim, positions]
-    v: F32  # [layers, n_kv, positions, head_dim]
-
-    @property
-    def positions(self) -> int:
-        return int(self.v.shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
 
 
 class _Layer:
@@ -167,137 +114,6 @@ class _Layer:
         self.w_qkv, self.w_o, self.w_gu, self.w_down = w_qkv, w_o, w_gu, w_down
         self.qkv_bias, self.q_norm, self.k_norm = qkv_bias, q_norm, k_norm
         self.post_attn, self.post_ffn = post_attn, post_ffn
-
-
-class _Rope:
-    """RoPE tables of one (base, scaling) for positions ``0..len-1``, grown on demand.
-
-    ``cos``/``sin`` are ``[position, 2, head_dim/2]`` (the two halves of a head), to broadcast
-    over ``[T, heads, 2, hd/2]``; ``sin`` carries the minus sign of the first half.
-    """
-
-    __slots__ = ("_inv_freq", "_scale", "cos", "sin")
-
-    def __init__(self, head_dim: int, base: float, scale: float, factors: F32 | None) -> None:
-        half = head_dim // 2
-        inv_freq = 1.0 / (base ** (np.arange(half, dtype=np.float64) * 2.0 / head_dim))
-        if factors is not None:  # Llama 3: each frequency divided by its factor
-            inv_freq = inv_freq / factors.astype(np.float64)
-        self._inv_freq, self._scale = inv_freq, scale
-        self.cos: F32 = np.empty((0, 2, half), np.float32)
-        self.sin: F32 = np.empty((0, 2, half), np.float32)
-
-    def reach(self, positions: int) -> None:
-        """Make the tables cover positions ``0..positions-1``."""
-        have = self.cos.shape[0]
-        if positions <= have:
-            return
-        n = max(positions, 2 * have, 1024)
-        angles = (np.arange(n, dtype=np.float64) / self._scale)[:, None] * self._inv_freq
-        cos, sin = np.cos(angles), np.sin(angles)
-        self.cos = np.stack([cos, cos], axis=1).astype(np.float32)
-        self.sin = np.stack([-sin, sin], axis=1).astype(np.float32)
-
-
-class _Panels:
-    """A weight matrix ``(in, out)`` stored as column panels ``[P, in, PANEL]``, C-contiguous.
-
-    ``x @ W`` then is one batched matmul, a small gemm per panel whose panel stays in cache
-    while every row of ``x`` passes over it (see the module docstring). ``out`` is padded with
-    zero columns up to a multiple of the panel width.
-    """
-
-    __slots__ = ("data", "n_out", "row_block")
-
-    def __init__(self, w: F32, gain: F32 | None = None) -> None:
-        self.data, self.n_out = _panel_data(w.T, gain), w.shape[1]
-        self.row_block = _GEMM_ROWS
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.data.shape[1], self.n_out)
-
-
-def _in_blocks(x: F32, rows: int, axis: int) -> F32:
-    """``x`` with its ``axis`` cut into blocks of exactly ``rows`` (zero rows pad the last).
-
-    The blocks become a new axis before ``axis``, so a batched matmul over them makes one
-    gemm call of ``rows`` rows per block.
-    """
-    n = x.shape[axis]
-    pad = -n % rows
-    if pad:
-        shape = list(x.shape)
-        shape[axis] = pad
-        x = np.concatenate([x, np.zeros(shape, np.float32)], axis=axis)
-    blocked: F32 = x.reshape(*x.shape[:axis], -1, rows, *x.shape[axis + 1 :])
-    return blocked
-
-
-def _matmul(x: F32, w: _Panels) -> F32:
-    """``x @ W`` for ``x`` of shape ``[T, in]``: ``[T, out]``, each row independent of the others.
-
-    Every gemm call computes exactly ``w.row_block`` rows of one panel, so each row takes
-    the same kernel path whatever the rows beside it (see the module docstring).
-    """
-    n = x.shape[0]
-    rows = min(w.row_block, max(n, _GEMM_ROWS))  # a block is never padded past the rows there are
-    y = np.matmul(_in_blocks(x, rows, 0)[:, None], w.data)  # [C, P, rows, PANEL]
-    out: F32 = y.transpose(0, 2, 1, 3).reshape(-1, y.shape[1] * _PANEL)
-    return out[:n, : w.n_out]
-
-
-def _silu(g: F32) -> F32:
-    """``g * sigmoid(g)``, a new array."""
-    act: F32 = np.negative(g)
-    np.exp(act, out=act)
-    act += np.float32(1.0)
-    np.divide(g, act, out=act)
-    return act
-
-
-_GELU_C = np.float32(np.sqrt(2.0 / np.pi))
-
-
-def _gelu_tanh(g: F32) -> F32:
-    """GELU's tanh approximation, ``g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))``, new."""
-    t: F32 = g * g
-    t *= g
-    t *= np.float32(0.044715)
-    t += g
-    t *= _GELU_C
-    np.tanh(t, out=t)
-    t += np.float32(1.0)
-    t *= g
-    t *= np.float32(0.5)
-    return t
-
-
-def _panels(w: F32, gain: F32 | None = None) -> _Panels:
-    """Panels for an ``(out, in)`` matrix (the orientation `stagerun.model` uses).
-
-    ``gain`` scales the input columns (a norm's gain folded in) as the panels are written.
-    """
-    return _Panels(w.T, gain)
-
-
-def _panel_data(w_rows: F32, gain: F32 | None) -> F32:
-    """``[P, in, PANEL]`` from an ``(out, in)`` matrix, in one pass over it (no padded copy
-    unless ``out`` is not a multiple of the panel width): the head of a 262k vocabulary is
-    670 MB."""
-    n_out, n_in = w_rows.shape
-    panels = -(-n_out // _PANEL)
-    data: F32 = np.empty((panels, n_in, _PANEL), np.float32)
-    whole = n_out // _PANEL
-    for p in range(0, whole, 256):  # slabs of panels: each a strided copy that fits in cache
-        q = min(whole, p + 256)
-        data[p:q] = w_rows[p * _PANEL : q * _PANEL].reshape(q - p, _PANEL, n_in).transpose(0, 2, 1)
-    if whole < panels:
-        data[whole] = 0.0
-        data[whole, :, : n_out - whole * _PANEL] = w_rows[whole * _PANEL :].T
-    if gain is not None:
-        data *= gain[None, :, None]
-    return data
 
 
 class NumpyBackend(GgufLayers):
@@ -640,63 +456,3 @@ class NumpyBackend(GgufLayers):
         o /= mass[..., None]
         result: F32 = o.reshape(n_kv, group, m, hd).transpose(2, 0, 1, 3).reshape(m, -1)
         return result
-
-
-class _Batch:
-    """The sessions of one batched forward: their stacked rows, and which are still live.
-
-    ``h`` holds the live items' rows one item after another; ``cos``/``sin`` the RoPE
-    tables at those rows' positions (shaped to broadcast over ``[R, heads, 2, hd/2]``).
-    """
-
-    def __init__(self, inputs: list[F32], items: Sequence[ForwardItem]) -> None:
-        self._tables: dict[int, tuple[F32, F32]] = {}
-        self.items = items
-        self.sizes = [x.shape[0] for x in inputs]
-        self.cancelled: list[ComputeCancelled | None] = [None] * len(items)
-        self.h: F32 = np.concatenate(inputs) if len(inputs) > 1 else inputs[0]
-        self._live = list(range(len(items)))
-        self._positions = np.concatenate(
-            [
-                np.arange(it.position, it.position + n)
-                for it, n in zip(items, self.sizes, strict=True)
-            ]
-        )
-
-    @property
-    def live(self) -> bool:
-        return bool(self._live)
-
-    def rope(self, rope: _Rope) -> tuple[F32, F32]:
-        """``rope``'s tables at the live rows' positions (gathered once per live set)."""
-        tables = self._tables.get(id(rope))
-        if tables is None:
-            positions = self._positions
-            tables = (rope.cos[positions][:, None], rope.sin[positions][:, None])
-            self._tables[id(rope)] = tables
-        return tables
-
-    def spans(self) -> list[tuple[int, tuple[int, int]]]:
-        """``(item, (first row, end row))`` of each live item in ``h``."""
-        spans, row = [], 0
-        for k in self._live:
-            spans.append((k, (row, row + self.sizes[k])))
-            row += self.sizes[k]
-        return spans
-
-    def rows_of(self, k: int) -> F32:
-        """Live item ``k``'s rows in ``h``."""
-        return next(self.h[a:b] for j, (a, b) in self.spans() if j == k)
-
-    def poll(self, layer: int) -> None:
-        """Ask each live item whether to stop before ``layer``; drop the ones that say so."""
-        stopping = poll_stops(self.items, self._live, layer)
-        if stopping:
-            keep = np.ones(self.h.shape[0], bool)
-            for k, (a, b) in self.spans():
-                if k in stopping:
-                    keep[a:b] = False
-                    self.cancelled[k] = stopping[k]
-            self._live = [k for k in self._live if k not in stopping]
-            self.h, self._positions = self.h[keep], self._positions[keep]
-            self._tables.clear()

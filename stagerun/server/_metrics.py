@@ -1,8 +1,16 @@
-"""Server metrics and their Prometheus text exposition (format 0.0.4), written by hand.
+"""Server metrics and their Prometheus text exposition (format 0.0.4), through prometheus_client.
 
-Counters and the duration histogram live in `Metrics`; gauges (requests in flight, lanes,
-stages up) are read from their owners when `/metrics` is scraped, so they are never stale.
-Stage 0's tick counts and batch sizes are its `TickScheduler`'s, read at scrape time too.
+Each `Metrics` (one per app) has a private `prometheus_client.CollectorRegistry` of custom
+collectors; nothing is registered globally. Counters and the duration histograms live in
+`Metrics` and its collectors turn them into metric families. The live gauges (requests in
+flight, lanes, stages up, stage 0's ticks and batch sizes) are read from their owners by
+collectors while `/metrics` is being written, so they are never stale: `Metrics.render` holds
+the `Scrape` (what the handler probed and sampled) for exactly that long.
+
+The text is written from the registry's families by `text_format`, not `generate_latest`:
+`generate_latest` writes every value as a float (``7.0``, ``le="1.0"``,
+``1.073741824e+09``) and sorts the labels by name, and the exposition here keeps integers
+as integers and labels in the order each family declares them, as it always has.
 
 Busy fractions are rates, so they need a window: a `BusySampler` compares what each stage
 has used now with what it had used at its previous call (its first call: since the sampler
@@ -15,10 +23,13 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from .._driver._lanes import LanePool
 from .._driver._pipeline import Pipeline
@@ -52,8 +63,22 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
+def text_format(families: Iterable[Metric]) -> str:
+    """The Prometheus text exposition of ``families`` (such as a registry's `collect()`)."""
+    out: list[str] = []
+    for family in families:
+        name = family.name + "_total" if family.type == "counter" else family.name
+        help_text = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+        out.append(f"# HELP {name} {help_text}")
+        out.append(f"# TYPE {name} {family.type}")
+        out.extend(f"{s.name}{_labels(s.labels)} {_number(s.value)}" for s in family.samples)
+    return "\n".join(out) + "\n"
+
+
 @attrs.define
 class Histogram:
+    """Cumulative bucket counts, their sum and count: one label set of a histogram family."""
+
     buckets: Sequence[float] = DURATION_BUCKETS
     counts: list[int] = attrs.field(init=False)
     total: float = 0.0
@@ -78,15 +103,25 @@ class Histogram:
             if value <= bound:
                 self.counts[i] += times
 
+    def add_to(self, family: Metric, labels: Mapping[str, str] | None = None) -> None:
+        """Add its samples (buckets, ``+Inf``, sum, count) to ``family`` under ``labels``."""
+        labels = dict(labels or {})
+        name = family.name
+        for bound, count in zip(self.buckets, self.counts, strict=True):
+            family.add_sample(f"{name}_bucket", {**labels, "le": _number(bound)}, count)
+        family.add_sample(f"{name}_bucket", {**labels, "le": "+Inf"}, self.count)
+        family.add_sample(f"{name}_sum", labels, self.total)
+        family.add_sample(f"{name}_count", labels, self.count)
+
+    def family(self, name: str, help_text: str) -> Metric:
+        """Itself as the unlabelled histogram family ``name``."""
+        family = Metric(name, help_text, "histogram")
+        self.add_to(family)
+        return family
+
     def lines(self, name: str, help_text: str) -> list[str]:
         """Its exposition as the unlabelled histogram ``name``."""
-        out = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        for bound, count in zip(self.buckets, self.counts, strict=True):
-            out.append(f'{name}_bucket{{le="{_number(bound)}"}} {count}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.count}')
-        out.append(f"{name}_sum {_number(self.total)}")
-        out.append(f"{name}_count {self.count}")
-        return out
+        return text_format([self.family(name, help_text)]).splitlines()
 
 
 class BusySampler:
@@ -156,8 +191,41 @@ def tick_summary(scheduler: TickScheduler) -> dict[str, Any]:
     }
 
 
+@attrs.frozen
+class Scrape:
+    """What one scrape reads besides the counts: the live gauges' owners, and what its handler
+    probed (``health``) and sampled (``busy``: each stage's busy fraction, by index)."""
+
+    admission: Admission
+    pool: LanePool | None
+    health: Sequence[StageHealth]
+    pipeline: Pipeline | None = None
+    busy: Mapping[int, float] | None = None
+
+
+class _Counted(Collector):
+    """Families of what a `Metrics` counted, made when the registry is collected."""
+
+    def __init__(self, metrics: Metrics, make: Callable[[Metrics], Iterator[Metric]]) -> None:
+        self._metrics, self._make = metrics, make
+
+    def collect(self) -> Iterator[Metric]:
+        return self._make(self._metrics)
+
+
+class _Live(Collector):
+    """Families read from the scrape `Metrics.render` is writing; none between scrapes."""
+
+    def __init__(self, metrics: Metrics, make: Callable[[Scrape], Iterator[Metric]]) -> None:
+        self._metrics, self._make = metrics, make
+
+    def collect(self) -> Iterator[Metric]:
+        scrape = self._metrics.scrape
+        return iter(()) if scrape is None else self._make(scrape)
+
+
 class Metrics:
-    """What the server counts while it runs."""
+    """What the server counts while it runs, and the registry `/metrics` is written from."""
 
     def __init__(self) -> None:
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
@@ -172,6 +240,15 @@ class Metrics:
         self.draft_tokens_accepted = 0
         self.windows_switched_off = 0
         self.running_at_admission = Histogram(buckets=RUNNING_BUCKETS)
+        self.scrape: Scrape | None = None
+        # Registered in the order the families are written.
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Counted(self, _request_families))
+        for live in (_pipeline_families, _busy_families):
+            self.registry.register(_Live(self, live))
+        self.registry.register(_Counted(self, _disconnect_families))
+        for live in (_admission_families, _lane_families, _prefix_families, _stage_up_families):
+            self.registry.register(_Live(self, live))
 
     def observe_running(self, running: int) -> None:
         """Sample the requests running, as one more starts (`Admission`'s ``on_start``)."""
@@ -218,157 +295,165 @@ class Metrics:
 
         ``busy`` is each stage's busy fraction by index (a `BusySampler`'s sample).
         """
-        out: list[str] = []
+        self.scrape = Scrape(admission, pool, health, pipeline, busy)
+        try:
+            return text_format(self.registry.collect())
+        finally:
+            self.scrape = None
 
-        def family(
-            name: str, kind: str, help: str, samples: Iterable[tuple[Mapping[str, str], float]]
-        ) -> None:
-            out.append(f"# HELP {name} {help}")
-            out.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                out.append(f"{name}{_labels(labels)} {_number(value)}")
 
-        family(
-            "stagerun_requests_total",
-            "counter",
-            "HTTP requests answered, by endpoint and status code.",
-            (
-                ({"endpoint": endpoint, "status": str(status)}, n)
-                for (endpoint, status), n in sorted(self.requests.items())
-            ),
+def _one(
+    kind: str, name: str, help_text: str, value: float | None, labels: Sequence[str] | None = None
+) -> CounterMetricFamily | GaugeMetricFamily:
+    """A counter or gauge: unlabelled with ``value`` (None: no sample), or with ``labels``."""
+    if kind == "counter":
+        return CounterMetricFamily(name, help_text, value=value, labels=labels)
+    return GaugeMetricFamily(name, help_text, value=value, labels=labels)
+
+
+def _by_stage(
+    family: CounterMetricFamily | GaugeMetricFamily, values: Iterable[tuple[int, float]]
+) -> Metric:
+    for index, value in values:
+        family.add_metric([str(index)], value)
+    return family
+
+
+def _request_families(m: Metrics) -> Iterator[Metric]:
+    """Requests, their durations, tokens and timings, as the server counted them."""
+    requests = CounterMetricFamily(
+        "stagerun_requests_total",
+        "HTTP requests answered, by endpoint and status code.",
+        labels=["endpoint", "status"],
+    )
+    for (endpoint, status), n in sorted(m.requests.items()):
+        requests.add_metric([endpoint, str(status)], n)
+    yield requests
+    durations = Metric(
+        "stagerun_request_duration_seconds", "Time to answer a request (whole stream).", "histogram"
+    )
+    for endpoint, hist in sorted(m.durations.items()):
+        hist.add_to(durations, {"endpoint": endpoint})
+    yield durations
+    for name, help_text, value in (
+        ("stagerun_prompt_tokens_total", "Prompt tokens processed.", m.prompt_tokens),
+        ("stagerun_completion_tokens_total", "Tokens generated.", m.completion_tokens),
+    ):
+        yield _one("counter", name, help_text, value)
+    for name, help_text, hist in (
+        ("stagerun_time_to_first_token_seconds", "Prompt to first token (prefill).",
+         m.time_to_first_token),
+        ("stagerun_decode_seconds", "First token to last token.", m.decode_seconds),
+        ("stagerun_running_requests", "Requests running, sampled as each one starts.",
+         m.running_at_admission),
+    ):  # fmt: skip
+        yield hist.family(name, help_text)
+    for name, help_text, value in (
+        ("stagerun_prefill_chunks_total", "Prefill chunks sent through the stages.",
+         m.prefill_chunks),
+        ("stagerun_draft_tokens_total", "Draft tokens proposed in verify windows.",
+         m.draft_tokens),
+        ("stagerun_draft_tokens_accepted_total", "Draft tokens the target model accepted.",
+         m.draft_tokens_accepted),
+        ("stagerun_speculation_switched_off_total",
+         "Requests whose drafting was switched off as not paying.", m.windows_switched_off),
+    ):  # fmt: skip
+        yield _one("counter", name, help_text, value)
+
+
+def _disconnect_families(m: Metrics) -> Iterator[Metric]:
+    help_text = "Generations cancelled because the client went away."
+    yield _one("counter", "stagerun_client_disconnects_total", help_text, m.disconnects)
+
+
+def _pipeline_families(scrape: Scrape) -> Iterator[Metric]:
+    """Recoveries, the supervised stage processes, and stage 0's ticks and batch sizes."""
+    pipeline = scrape.pipeline
+    if pipeline is None:
+        return
+    for name, help_text, value in (
+        ("stagerun_recoveries_total", "Lane failures requests survived by replaying.",
+         pipeline.recoveries),
+        ("stagerun_recovery_failures_total", "Requests that failed because no lane came back.",
+         pipeline.recovery_failures),
+    ):  # fmt: skip
+        yield _one("counter", name, help_text, value)
+    processes = [
+        (s.index, s.process) for s in pipeline.stages if isinstance(s.process, StageProcess)
+    ]
+    if processes:
+        help_text = "Restarts of supervised stage processes."
+        restarts = _one("counter", "stagerun_stage_restarts_total", help_text, None, ["stage"])
+        yield _by_stage(restarts, ((index, process.restarts) for index, process in processes))
+        states = GaugeMetricFamily(
+            "stagerun_stage_process_state",
+            "1 for the state each supervised stage process is in (failed: given up after too "
+            "many exits, not restarted again), 0 for the others.",
+            labels=["stage", "state"],
         )
-        out.append(
-            "# HELP stagerun_request_duration_seconds Time to answer a request (whole stream)."
-        )
-        out.append("# TYPE stagerun_request_duration_seconds histogram")
-        for endpoint, hist in sorted(self.durations.items()):
-            name = "stagerun_request_duration_seconds"
-            for bound, n in zip(hist.buckets, hist.counts, strict=True):
-                le = {"endpoint": endpoint, "le": _number(bound)}
-                out.append(f"{name}_bucket{_labels(le)} {n}")
-            out.append(f"{name}_bucket{_labels({'endpoint': endpoint, 'le': '+Inf'})} {hist.count}")
-            out.append(f"{name}_sum{_labels({'endpoint': endpoint})} {_number(hist.total)}")
-            out.append(f"{name}_count{_labels({'endpoint': endpoint})} {hist.count}")
-        family(
-            "stagerun_prompt_tokens_total", "counter", "Prompt tokens processed.",
-            [({}, self.prompt_tokens)],
-        )  # fmt: skip
-        family(
-            "stagerun_completion_tokens_total", "counter", "Tokens generated.",
-            [({}, self.completion_tokens)],
-        )  # fmt: skip
-        for name, help_text, hist in (
-            ("stagerun_time_to_first_token_seconds", "Prompt to first token (prefill).",
-             self.time_to_first_token),
-            ("stagerun_decode_seconds", "First token to last token.", self.decode_seconds),
-            ("stagerun_running_requests", "Requests running, sampled as each one starts.",
-             self.running_at_admission),
-        ):  # fmt: skip
-            out.extend(hist.lines(name, help_text))
-        family(
-            "stagerun_prefill_chunks_total", "counter", "Prefill chunks sent through the stages.",
-            [({}, self.prefill_chunks)],
-        )  # fmt: skip
-        family(
-            "stagerun_draft_tokens_total", "counter",
-            "Draft tokens proposed in verify windows.", [({}, self.draft_tokens)],
-        )  # fmt: skip
-        family(
-            "stagerun_draft_tokens_accepted_total", "counter",
-            "Draft tokens the target model accepted.", [({}, self.draft_tokens_accepted)],
-        )  # fmt: skip
-        family(
-            "stagerun_speculation_switched_off_total", "counter",
-            "Requests whose drafting was switched off as not paying.",
-            [({}, self.windows_switched_off)],
-        )  # fmt: skip
-        if pipeline is not None:
-            family(
-                "stagerun_recoveries_total", "counter",
-                "Lane failures requests survived by replaying.", [({}, pipeline.recoveries)],
-            )  # fmt: skip
-            family(
-                "stagerun_recovery_failures_total", "counter",
-                "Requests that failed because no lane came back.",
-                [({}, pipeline.recovery_failures)],
-            )  # fmt: skip
-            processes = [s for s in pipeline.stages if isinstance(s.process, StageProcess)]
-            if processes:
-                family(
-                    "stagerun_stage_restarts_total", "counter",
-                    "Restarts of supervised stage processes.",
-                    (({"stage": str(s.index)}, s.process.restarts) for s in processes),
-                )  # fmt: skip
-                family(
-                    "stagerun_stage_process_state", "gauge",
-                    "1 for the state each supervised stage process is in (failed: given up "
-                    "after too many exits, not restarted again), 0 for the others.",
-                    (
-                        ({"stage": str(s.index), "state": state}, int(s.process.state == state))
-                        for s in processes
-                        for state in STATES
-                    ),
-                )  # fmt: skip
-            _tick_families(family, out, pipeline.scheduler)
-        if busy is not None:
-            family(
-                "stagerun_stage_busy_ratio", "gauge",
-                "Share of the time since the previous scrape (the first: since the server "
-                "started) the stage computed: stage 0's ticks, or a stage process's CPU seconds "
-                "per second (above 1 on several threads). No sample for in-process or remote "
-                "stages.",
-                (({"stage": str(i)}, fraction) for i, fraction in sorted(busy.items())),
-            )  # fmt: skip
-        family(
-            "stagerun_client_disconnects_total", "counter",
-            "Generations cancelled because the client went away.", [({}, self.disconnects)],
-        )  # fmt: skip
-        _admission_families(family, admission)
-        if pool is not None:
-            family("stagerun_lanes_idle", "gauge", "Idle lanes in the pool.", [({}, pool.idle)])
-            family("stagerun_lanes_busy", "gauge", "Lanes lent to requests.", [({}, pool.busy)])
-            family(
-                "stagerun_lanes_replaced_total", "counter",
-                "Lanes closed after a failed or cancelled request and replaced.",
-                [({}, pool.replaced)],
-            )  # fmt: skip
-            family(
-                "stagerun_lane_replace_failures_total", "counter",
-                "Replacement lanes that could not be connected.", [({}, pool.replace_failures)],
-            )  # fmt: skip
-        _prefix_families(family, health)
-        family(
-            "stagerun_stage_up",
-            "gauge",
-            "1 if the stage (its primary, or a standby) answered a handshake and, for a "
-            "supervised stage process, that process is running, else 0.",
-            (
-                (
-                    {"stage": str(h.stage.index), "address": h.primary},
-                    1 if is_serving(h) else 0,
-                )
-                for h in health
-            ),
-        )
-        return "\n".join(out) + "\n"
+        for index, process in processes:
+            for state in STATES:
+                states.add_metric([str(index), state], int(process.state == state))
+        yield states
+    yield from _tick_families(pipeline.scheduler)
 
 
-def _tick_families(
-    family: Callable[[str, str, str, Iterable[tuple[Mapping[str, str], float]]], None],
-    out: list[str],
-    scheduler: TickScheduler,
-) -> None:
-    """Stage 0's tick counters (through ``family``) and batch size histogram, onto ``out``."""
-    family(
-        "stagerun_stage0_ticks_total", "counter", "Batched forwards stage 0 computed.",
-        [({}, scheduler.ticks)],
-    )  # fmt: skip
-    family(
-        "stagerun_stage0_rows_total", "counter", "Token rows stage 0's ticks computed.",
-        [({}, scheduler.rows)],
-    )  # fmt: skip
+def _tick_families(scheduler: TickScheduler) -> Iterator[Metric]:
+    """Stage 0's tick counters and batch size histogram."""
+    for name, help_text, value in (
+        ("stagerun_stage0_ticks_total", "Batched forwards stage 0 computed.", scheduler.ticks),
+        ("stagerun_stage0_rows_total", "Token rows stage 0's ticks computed.", scheduler.rows),
+    ):
+        yield _one("counter", name, help_text, value)
     hist = Histogram.from_counts(scheduler.batch_sizes, BATCH_BUCKETS)
-    out.extend(hist.lines("stagerun_stage0_batch_size", "Forwards (requests) per stage 0 tick."))
+    yield hist.family("stagerun_stage0_batch_size", "Forwards (requests) per stage 0 tick.")
+
+
+def _busy_families(scrape: Scrape) -> Iterator[Metric]:
+    if scrape.busy is None:
+        return
+    busy = GaugeMetricFamily(
+        "stagerun_stage_busy_ratio",
+        "Share of the time since the previous scrape (the first: since the server started) "
+        "the stage computed: stage 0's ticks, or a stage process's CPU seconds per second "
+        "(above 1 on several threads). No sample for in-process or remote stages.",
+        labels=["stage"],
+    )
+    yield _by_stage(busy, sorted(scrape.busy.items()))
+
+
+def _admission_families(scrape: Scrape) -> Iterator[Metric]:
+    """The admission gauges: running, queued, refused, and the limits they run within."""
+    a = scrape.admission
+    for kind, name, help_text, value in (
+        ("gauge", "stagerun_requests_in_flight", "Requests generating now.", a.running),
+        ("gauge", "stagerun_requests_queued", "Requests waiting for a slot and KV budget.",
+         a.queued),
+        ("counter", "stagerun_requests_rejected_total",
+         "Requests refused with 429 because the queue was full.", a.rejected),
+        ("gauge", "stagerun_max_batch", "Requests that may generate at once (--max-batch).",
+         a.max_batch),
+        ("gauge", "stagerun_kv_reserved_bytes",
+         "KV cache bytes the running requests have reserved.", a.reserved),
+        ("gauge", "stagerun_kv_budget_bytes",
+         "KV cache bytes the running requests may reserve (--kv-budget).", a.kv_budget),
+    ):  # fmt: skip
+        yield _one(kind, name, help_text, value)
+
+
+def _lane_families(scrape: Scrape) -> Iterator[Metric]:
+    pool = scrape.pool
+    if pool is None:
+        return
+    for kind, name, help_text, value in (
+        ("gauge", "stagerun_lanes_idle", "Idle lanes in the pool.", pool.idle),
+        ("gauge", "stagerun_lanes_busy", "Lanes lent to requests.", pool.busy),
+        ("counter", "stagerun_lanes_replaced_total",
+         "Lanes closed after a failed or cancelled request and replaced.", pool.replaced),
+        ("counter", "stagerun_lane_replace_failures_total",
+         "Replacement lanes that could not be connected.", pool.replace_failures),
+    ):  # fmt: skip
+        yield _one(kind, name, help_text, value)
 
 
 _PREFIX_FAMILIES = (
@@ -384,42 +469,22 @@ _PREFIX_FAMILIES = (
 )
 
 
-def _prefix_families(
-    family: Callable[[str, str, str, Iterable[tuple[Mapping[str, str], float]]], None],
-    health: Sequence[StageHealth],
-) -> None:
+def _prefix_families(scrape: Scrape) -> Iterator[Metric]:
     """Each stage's prefix cache counters, from the probes of this scrape."""
-    caches = [(h.stage.index, h.prefix_cache) for h in health if h.prefix_cache is not None]
+    caches = [(h.stage.index, h.prefix_cache) for h in scrape.health if h.prefix_cache is not None]
     for field, kind, help_text in _PREFIX_FAMILIES:
-        suffix = "_total" if kind == "counter" else ""
-        family(
-            f"stagerun_prefix_cache_{field}{suffix}",
-            kind,
-            help_text + " By stage.",
-            (({"stage": str(index)}, getattr(stats, field)) for index, stats in caches),
-        )
+        name, help_text = f"stagerun_prefix_cache_{field}", help_text + " By stage."
+        family = _one(kind, name, help_text, None, labels=["stage"])
+        yield _by_stage(family, ((index, getattr(stats, field)) for index, stats in caches))
 
 
-def _admission_families(
-    family: Callable[[str, str, str, Iterable[tuple[Mapping[str, str], float]]], None],
-    admission: Admission,
-) -> None:
-    """The admission gauges: running, queued, refused, and the limits they run within."""
-    budget: list[tuple[Mapping[str, str], float]] = []
-    if admission.kv_budget is not None:
-        budget.append(({}, admission.kv_budget))
-    for name, kind, help_text, samples in (
-        ("stagerun_requests_in_flight", "gauge", "Requests generating now.",
-         [({}, admission.running)]),
-        ("stagerun_requests_queued", "gauge", "Requests waiting for a slot and KV budget.",
-         [({}, admission.queued)]),
-        ("stagerun_requests_rejected_total", "counter",
-         "Requests refused with 429 because the queue was full.", [({}, admission.rejected)]),
-        ("stagerun_max_batch", "gauge", "Requests that may generate at once (--max-batch).",
-         [({}, admission.max_batch)]),
-        ("stagerun_kv_reserved_bytes", "gauge",
-         "KV cache bytes the running requests have reserved.", [({}, admission.reserved)]),
-        ("stagerun_kv_budget_bytes", "gauge",
-         "KV cache bytes the running requests may reserve (--kv-budget).", budget),
-    ):  # fmt: skip
-        family(name, kind, help_text, samples)
+def _stage_up_families(scrape: Scrape) -> Iterator[Metric]:
+    up = GaugeMetricFamily(
+        "stagerun_stage_up",
+        "1 if the stage (its primary, or a standby) answered a handshake and, for a "
+        "supervised stage process, that process is running, else 0.",
+        labels=["stage", "address"],
+    )
+    for h in scrape.health:
+        up.add_metric([str(h.stage.index), h.primary], 1 if is_serving(h) else 0)
+    yield up

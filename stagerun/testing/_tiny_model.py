@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import pathlib
 
+import attrs
 import gguf
 import numpy as np
 import numpy.typing as npt
@@ -108,63 +109,56 @@ def write_tiny_model(
     qtype = _block_type(weights, d_model=d_model, d_ff=d_ff, n_heads=n_heads, n_kv_heads=n_kv_heads)
     path = pathlib.Path(path)
     tokens, token_types = _tiny_vocabulary()
+    family = _family(family)
+    n_layers = max(4, family.sliding_window_pattern) if n_layers is None else n_layers
+    shape = _Shape(n_layers, d_model, d_ff, n_heads, n_kv_heads, len(tokens), context_length)
+    writer = gguf.GGUFWriter(path, architecture if family.name == "llama" else family.name)
+    _add_hyperparameters(writer, qtype, weights, shape, family)
+    _add_options(writer, family, sliding_window, rope_scaling, attn_softcap, final_softcap)
+    _add_tokenizer(writer, tokens, token_types)
+    draws = _Draws(writer, qtype, np.random.default_rng(seed))
+    _add_embeddings(draws, shape, family, embedding_std, rope_factors)
+    for i in range(n_layers):
+        _add_block(draws, i, shape, family, attention_gain)
+    draws.writer.add_tensor("output_norm.weight", logit_scale * draws.gain(d_model))
+    if not tied_output:
+        draws.writer.add_tensor("output.weight", draws.matrix(shape.vocab, d_model))
+    _write_out(writer)
+    return path
+
+
+@attrs.frozen
+class _Shape:
+    """The sizes of the tiny model."""
+
+    n_layers: int
+    d_model: int
+    d_ff: int
+    n_heads: int
+    n_kv_heads: int
+    vocab: int
+    context_length: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _family(family: str | Family) -> Family:
     if isinstance(family, str):
         if family not in FAMILIES:
             raise ValueError(
                 f"unknown family {family!r}; expected one of {', '.join(TINY_FAMILIES)}"
             )
         family = FAMILIES[family]
-    if n_layers is None:
-        n_layers = max(4, family.sliding_window_pattern)
-    if sliding_window is None:
-        sliding_window = TINY_WINDOW if family.sliding_window_pattern else 0
-    arch = architecture if family.name == "llama" else family.name
-    writer = gguf.GGUFWriter(path, arch)
-    _add_hyperparameters(
-        writer,
-        qtype,
-        weights,
-        n_layers=n_layers,
-        context_length=context_length,
-        d_model=d_model,
-        d_ff=d_ff,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        vocab=len(tokens),
-        family=family,
-    )
-    if sliding_window:
-        writer.add_sliding_window(sliding_window)
-    if rope_scaling is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope_scaling)
-    if attn_softcap:
-        writer.add_attn_logit_softcapping(attn_softcap)
-    if final_softcap:
-        writer.add_final_logit_softcapping(final_softcap)
-    _add_tokenizer(writer, tokens, token_types)
-    _add_weights(
-        writer,
-        qtype,
-        seed=seed,
-        vocab=len(tokens),
-        n_layers=n_layers,
-        d_model=d_model,
-        d_ff=d_ff,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        tied_output=tied_output,
-        embedding_std=embedding_std,
-        attention_gain=attention_gain,
-        logit_scale=logit_scale,
-        family=family,
-        rope_factors=rope_factors,
-    )
+    return family
+
+
+def _write_out(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 def _block_type(
@@ -195,14 +189,7 @@ def _add_hyperparameters(
     writer: gguf.GGUFWriter,
     qtype: gguf.GGMLQuantizationType,
     weights: str,
-    *,
-    n_layers: int,
-    context_length: int,
-    d_model: int,
-    d_ff: int,
-    n_heads: int,
-    n_kv_heads: int,
-    vocab: int,
+    shape: _Shape,
     family: Family,
 ) -> None:
     """The model's name, file type and shape keys (the family's, as ``general.architecture``)."""
@@ -210,20 +197,43 @@ def _add_hyperparameters(
     file_type = "ALL_F32" if qtype == gguf.GGMLQuantizationType.F32 else f"MOSTLY_{weights}"
     if file_type in gguf.LlamaFileType.__members__:
         writer.add_file_type(gguf.LlamaFileType[file_type])
-    writer.add_block_count(n_layers)
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(d_model)
-    writer.add_feed_forward_length(d_ff)
-    writer.add_head_count(n_heads)
-    writer.add_head_count_kv(n_kv_heads)
+    writer.add_block_count(shape.n_layers)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.d_model)
+    writer.add_feed_forward_length(shape.d_ff)
+    writer.add_head_count(shape.n_heads)
+    writer.add_head_count_kv(shape.n_kv_heads)
     # a family with its own local base gets another global one, so that both matter
     writer.add_rope_freq_base(10000.0 if family.local_rope_base is None else 1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(d_model // n_heads)
-    writer.add_vocab_size(vocab)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_vocab_size(shape.vocab)
     if family.name != "llama":  # transformers reads Qwen's head size from these, not the width
-        writer.add_key_length(d_model // n_heads)
-        writer.add_value_length(d_model // n_heads)
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+
+
+def _add_options(
+    writer: gguf.GGUFWriter,
+    family: Family,
+    sliding_window: int | None,
+    rope_scaling: float | None,
+    attn_softcap: float,
+    final_softcap: float,
+) -> None:
+    """The optional keys: the sliding window (None: `TINY_WINDOW` if the family has a window
+    pattern), linear RoPE scaling and the softcaps."""
+    if sliding_window is None:
+        sliding_window = TINY_WINDOW if family.sliding_window_pattern else 0
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling)
+    if attn_softcap:
+        writer.add_attn_logit_softcapping(attn_softcap)
+    if final_softcap:
+        writer.add_final_logit_softcapping(final_softcap)
 
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokens: list[str], token_types: list[int]) -> None:
@@ -239,91 +249,92 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokens: list[str], token_types: list
     writer.add_chat_template(CHATML_TEMPLATE)
 
 
-def _add_weights(
-    writer: gguf.GGUFWriter,
-    qtype: gguf.GGMLQuantizationType,
-    *,
-    seed: int,
-    vocab: int,
-    n_layers: int,
-    d_model: int,
-    d_ff: int,
-    n_heads: int,
-    n_kv_heads: int,
-    tied_output: bool,
-    embedding_std: float,
-    attention_gain: float,
-    logit_scale: float,
-    family: Family,
-    rope_factors: bool | npt.ArrayLike = False,
-) -> None:
+class _Draws:
     """Seeded random tensors, drawn in file order: F32 norms and embeddings, ``qtype`` blocks.
 
     A family's own tensors (qwen2's biases, qwen3's query and key norms...) are drawn where
     the file holds them, so a llama file is the same whatever families exist; a fused matrix
     (Phi-3's ``attn_qkv``, ``ffn_up``) is the separate draws stacked.
     """
-    head_dim = d_model // n_heads
-    rng = np.random.default_rng(seed)
 
-    def matrix(out: int, inp: int) -> npt.NDArray[np.float32]:
-        return np.asarray(rng.standard_normal((out, inp)) / np.sqrt(inp), dtype=np.float32)
+    def __init__(
+        self, writer: gguf.GGUFWriter, qtype: gguf.GGMLQuantizationType, rng: np.random.Generator
+    ) -> None:
+        self.writer, self.qtype, self.rng = writer, qtype, rng
 
-    def gain(n: int) -> npt.NDArray[np.float32]:
-        return np.asarray(1.0 + 0.1 * rng.standard_normal(n), dtype=np.float32)
+    def matrix(self, out: int, inp: int) -> npt.NDArray[np.float32]:
+        return np.asarray(self.rng.standard_normal((out, inp)) / np.sqrt(inp), dtype=np.float32)
 
-    def add_matrix(name: str, m: npt.NDArray[np.float32]) -> None:
+    def gain(self, n: int) -> npt.NDArray[np.float32]:
+        return np.asarray(1.0 + 0.1 * self.rng.standard_normal(n), dtype=np.float32)
+
+    def add_matrix(self, name: str, m: npt.NDArray[np.float32]) -> None:
+        """Add the block matrix ``m``, as ``qtype``."""
+        qtype = self.qtype
         if qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, m)
+            self.writer.add_tensor(name, m)
         elif qtype.name in K_QUANTS:  # gguf-py reads K-quants but cannot write them
-            writer.add_tensor(name, quantize_k(m, qtype.name), raw_dtype=qtype)
+            self.writer.add_tensor(name, quantize_k(m, qtype.name), raw_dtype=qtype)
         else:
-            writer.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
+            self.writer.add_tensor(name, gguf.quants.quantize(m, qtype), raw_dtype=qtype)
 
-    embeddings = embedding_std * rng.standard_normal((vocab, d_model))
+
+def _add_embeddings(
+    draws: _Draws,
+    shape: _Shape,
+    family: Family,
+    embedding_std: float,
+    rope_factors: bool | npt.ArrayLike,
+) -> None:
+    """The token embeddings, and Llama 3's RoPE factors if asked for."""
+    d_model, half = shape.d_model, shape.head_dim // 2
+    embeddings = embedding_std * draws.rng.standard_normal((shape.vocab, d_model))
     if family.embedding_scale:  # the model multiplies them by sqrt(d_model): keep them small
         embeddings /= np.sqrt(d_model)
-    writer.add_tensor("token_embd.weight", embeddings.astype(np.float32))
+    draws.writer.add_tensor("token_embd.weight", embeddings.astype(np.float32))
     if rope_factors is True:
-        rope_factors = rng.uniform(1.0, 8.0, head_dim // 2)
+        rope_factors = draws.rng.uniform(1.0, 8.0, half)
     if rope_factors is not False:
         factors = np.asarray(rope_factors, dtype=np.float32)
-        if factors.shape != (head_dim // 2,):
-            raise ValueError(f"rope_factors needs {head_dim // 2} divisors, not {factors.shape}.")
-        writer.add_tensor("rope_freqs.weight", factors)
-    for i in range(n_layers):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", gain(d_model))
-        # with query norms the norm's gain, not the matrix, sets how sharply heads attend
-        q_gain = 1.0 if family.qk_norm else attention_gain
-        q = q_gain * matrix(n_heads * head_dim, d_model)
-        k = matrix(n_kv_heads * head_dim, d_model)
-        v = matrix(n_kv_heads * head_dim, d_model)
-        if family.fused_qkv:
-            add_matrix(f"blk.{i}.attn_qkv.weight", np.concatenate([q, k, v]))
-        else:
-            add_matrix(f"blk.{i}.attn_q.weight", q)
-            add_matrix(f"blk.{i}.attn_k.weight", k)
-            add_matrix(f"blk.{i}.attn_v.weight", v)
-        if family.attention_bias:
-            for name, rows in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
-                bias = 0.1 * rng.standard_normal(rows * head_dim)
-                writer.add_tensor(f"blk.{i}.attn_{name}.bias", bias.astype(np.float32))
-        if family.qk_norm:
-            writer.add_tensor(f"blk.{i}.attn_q_norm.weight", attention_gain * gain(head_dim))
-            writer.add_tensor(f"blk.{i}.attn_k_norm.weight", gain(head_dim))
-        add_matrix(f"blk.{i}.attn_output.weight", matrix(d_model, n_heads * head_dim))
-        if family.post_norms:
-            writer.add_tensor(f"blk.{i}.post_attention_norm.weight", gain(d_model))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", gain(d_model))
-        gate, up = matrix(d_ff, d_model), matrix(d_ff, d_model)
-        if family.fused_gate_up:
-            add_matrix(f"blk.{i}.ffn_up.weight", np.concatenate([gate, up]))
-        else:
-            add_matrix(f"blk.{i}.ffn_gate.weight", gate)
-            add_matrix(f"blk.{i}.ffn_up.weight", up)
-        add_matrix(f"blk.{i}.ffn_down.weight", matrix(d_model, d_ff))
-        if family.post_norms:
-            writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", gain(d_model))
-    writer.add_tensor("output_norm.weight", logit_scale * gain(d_model))
-    if not tied_output:
-        writer.add_tensor("output.weight", matrix(vocab, d_model))
+        if factors.shape != (half,):
+            raise ValueError(f"rope_factors needs {half} divisors, not {factors.shape}.")
+        draws.writer.add_tensor("rope_freqs.weight", factors)
+
+
+def _add_block(draws: _Draws, i: int, shape: _Shape, family: Family, attention_gain: float) -> None:
+    """Block ``i``'s tensors, with the family's extras."""
+    writer, matrix, gain, add_matrix = draws.writer, draws.matrix, draws.gain, draws.add_matrix
+    d_model, d_ff, head_dim = shape.d_model, shape.d_ff, shape.head_dim
+    n_heads, n_kv_heads = shape.n_heads, shape.n_kv_heads
+    writer.add_tensor(f"blk.{i}.attn_norm.weight", gain(d_model))
+    # with query norms the norm's gain, not the matrix, sets how sharply heads attend
+    q_gain = 1.0 if family.qk_norm else attention_gain
+    q = q_gain * matrix(n_heads * head_dim, d_model)
+    k = matrix(n_kv_heads * head_dim, d_model)
+    v = matrix(n_kv_heads * head_dim, d_model)
+    if family.fused_qkv:
+        add_matrix(f"blk.{i}.attn_qkv.weight", np.concatenate([q, k, v]))
+    else:
+        add_matrix(f"blk.{i}.attn_q.weight", q)
+        add_matrix(f"blk.{i}.attn_k.weight", k)
+        add_matrix(f"blk.{i}.attn_v.weight", v)
+    if family.attention_bias:
+        for name, rows in (("q", n_heads), ("k", n_kv_heads), ("v", n_kv_heads)):
+            bias = 0.1 * draws.rng.standard_normal(rows * head_dim)
+            writer.add_tensor(f"blk.{i}.attn_{name}.bias", bias.astype(np.float32))
+    if family.qk_norm:
+        writer.add_tensor(f"blk.{i}.attn_q_norm.weight", attention_gain * gain(head_dim))
+        writer.add_tensor(f"blk.{i}.attn_k_norm.weight", gain(head_dim))
+    add_matrix(f"blk.{i}.attn_output.weight", matrix(d_model, n_heads * head_dim))
+    if family.post_norms:
+        writer.add_tensor(f"blk.{i}.post_attention_norm.weight", gain(d_model))
+    writer.add_tensor(f"blk.{i}.ffn_norm.weight", gain(d_model))
+    gate, up = matrix(d_ff, d_model), matrix(d_ff, d_model)
+    if family.fused_gate_up:
+        add_matrix(f"blk.{i}.ffn_up.weight", np.concatenate([gate, up]))
+    else:
+        add_matrix(f"blk.{i}.ffn_gate.weight", gate)
+        add_matrix(f"blk.{i}.ffn_up.weight", up)
+    add_matrix(f"blk.{i}.ffn_down.weight", matrix(d_model, d_ff))
+    if family.post_norms:
+        writer.add_tensor(f"blk.{i}.post_ffw_norm.weight", gain(d_model))
