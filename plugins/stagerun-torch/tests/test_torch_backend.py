@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from stagerun_torch import TorchBackend, TorchInt4Backend
+from stagerun_torch._backend import _cpu_takes_bfloat16
 from stagerun_torch._matrices import HAS_ONEDNN, Dense, Int4, OneDNN, silu_mul, unpack_q4
 
 from stagerun import ComputeCancelled, plugins
@@ -155,7 +156,8 @@ def test_matrix_rows_do_not_depend_on_the_batch(
         q = rng.integers(0, 16, (out, width)).astype(np.int32)
         scale = rng.random((out, width // 32), dtype=np.float32) * 0.01
         assert _rows_differ(Int4(q, scale, scale), width) == {}
-    assert _rows_differ(OneDNN(_weights(4096, 576), torch.bfloat16), 576) == {}
+    if _cpu_takes_bfloat16(torch.device("cpu")):  # the int4 head's kernel, where it exists
+        assert _rows_differ(OneDNN(_weights(4096, 576), torch.bfloat16), 576) == {}
 
 
 @pytest.mark.parametrize("n_threads", [2, 5])
