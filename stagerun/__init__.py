@@ -29,7 +29,6 @@ from ._driver._config import plan as plan
 from ._driver._config import split_layers as split_layers
 from ._driver._lanes import Lane as Lane
 from ._driver._lanes import LanePool as LanePool
-from ._driver._launch import open_pipeline as open_pipeline
 from ._driver._pipeline import Pipeline as Pipeline
 from ._driver._values import Completion as Completion
 from ._driver._values import GenerationStream as GenerationStream
@@ -49,6 +48,7 @@ from ._errors import RecoveryFailedError as RecoveryFailedError
 from ._errors import StageError as StageError
 from ._errors import StagerunError as StagerunError
 from ._errors import UnsupportedModelError as UnsupportedModelError
+from ._launch import open_pipeline as open_pipeline
 from ._proto import SamplingParams as SamplingParams
 from ._stage._server import StageServer as StageServer
 from ._stage._server import serve_stage as serve_stage

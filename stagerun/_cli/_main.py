@@ -94,7 +94,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from .._driver._launch import open_pipeline
+    from .._launch import open_pipeline
     from ._config import config_from_args
 
     config = config_from_args(args)

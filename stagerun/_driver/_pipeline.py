@@ -2,7 +2,7 @@
 
 Theory of operation: stage 0 lives in the calling process. It owns the tokenizer, the first
 layer range and a `LanePool` to the rest of the pipeline (started or joined by
-`stagerun._driver._launch.open_pipeline`). A request checks out a lane and sends ``Configure``, then
+`stagerun._launch.open_pipeline`). A request checks out a lane and sends ``Configure``, then
 the prompt in planned prefill chunks (`stagerun._driver._prefill`; the last chunk asks the last
 stage for a prediction). When stage 0's prefix cache holds the prompt's first blocks, the
 ``Configure`` asks every stage for them and the prefill starts where all of them can

@@ -34,9 +34,9 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from .._driver._config import PipelineConfig
-from .._driver._launch import open_pipeline
 from .._driver._topology import load_topology
 from .._errors import StagerunError
+from .._launch import open_pipeline
 from .._util import FD_RESERVE, raise_open_file_limit, single_exceptions
 from .._wire._auth import is_loopback, read_private_file
 from ._app import create_app

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..._driver._launch import open_pipeline
 from ..._driver._pipeline import Pipeline
+from ..._launch import open_pipeline
 from ..._proto import SamplingParams
 from .._config import config_from_args
 

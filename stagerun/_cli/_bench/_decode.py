@@ -13,9 +13,9 @@ from typing import Any
 import trio
 
 from ..._driver._config import Mode
-from ..._driver._launch import open_pipeline
 from ..._driver._pipeline import Pipeline
 from ..._errors import LaneError
+from ..._launch import open_pipeline
 from ._common import bench_pipeline, decode_rounds, say
 
 

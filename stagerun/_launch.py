@@ -26,19 +26,19 @@ from typing import Any
 import attrs
 import trio
 
-from .. import plugins
-from .._engine import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
-from .._stage._server import serve_stage
-from .._util import single_exceptions
-from .._wire._auth import SECRET_FILE_ENV, lane_secret
-from .._wire._connect import ENV_SECRET, EnvSecret
-from .._wire._framed import LinkEmulation
-from ..model import ModelFile, open_model
-from ._config import PipelineConfig, PipelinePlan, SupervisionPolicy, plan
-from ._lanes import LanePool
-from ._pipeline import Pipeline
-from ._supervise import REMOVE_WITH_PARENT_ENV, StageProcess, spawn_process, stage_command
-from ._values import StageInfo
+from . import plugins
+from ._driver._config import PipelineConfig, PipelinePlan, SupervisionPolicy, plan
+from ._driver._lanes import LanePool
+from ._driver._pipeline import Pipeline
+from ._driver._supervise import REMOVE_WITH_PARENT_ENV, StageProcess, spawn_process, stage_command
+from ._driver._values import StageInfo
+from ._engine import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
+from ._stage._server import serve_stage
+from ._util import single_exceptions
+from ._wire._auth import SECRET_FILE_ENV, lane_secret
+from ._wire._connect import ENV_SECRET, EnvSecret
+from ._wire._framed import LinkEmulation
+from .model import ModelFile, open_model
 
 # Random bytes in a secret made for the stage processes started here (written as hex).
 OWN_SECRET_BYTES = 32
