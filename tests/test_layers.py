@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("both ends of a lane", {"_wire"}),
     ("plugin interfaces", {"abc"}),
     ("built-in plugins", {"transports", "backends", "drafters"}),
+    ("stage engine", {"_engine"}),
     ("stage side", {"_stage"}),
     ("stage 0, the driver", {"_driver"}),
     ("HTTP server and plugin testing kit", {"server", "testing"}),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from .._engine._config import StageConfig
 from .._proto import ActivationDType
 from .._wire._framed import FrameStream, LinkEmulation
 from ..abc import ComputeBackend, ForwardItem
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 
 
 class StageContext(Protocol):
+    config: StageConfig  # every setting of the stage (its downstream dial's among them)
     index: int
     backend: ComputeBackend
     downstream: str | None  # the next stage (and its standbys), None on the last stage

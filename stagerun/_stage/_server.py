@@ -39,35 +39,28 @@ import numpy as np
 import trio
 
 from .. import _proto, plugins
-from .._decide._ticks import DEFAULT_TICK_ROWS
+from .._engine._config import DEFAULT_IDLE_TIMEOUT as DEFAULT_IDLE_TIMEOUT
+from .._engine._config import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
+from .._engine._config import DEFAULT_MAX_HANDSHAKES as DEFAULT_MAX_HANDSHAKES
+from .._engine._config import StageConfig
 from .._errors import LaneError, LaneHandshakeError, ProtocolError, StageError
 from .._util import FD_RESERVE, raise_open_file_limit
 from .._wire._address import parse_address
-from .._wire._auth import SECRET_FILE_ENV, is_loopback, lane_secret
-from .._wire._connect import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
-from .._wire._framed import (
-    DEFAULT_HANDSHAKE_TIMEOUT,
-    NO_EMULATION,
-    FrameStream,
-    LinkEmulation,
-    server_handshake,
-)
+from .._wire._auth import SECRET_FILE_ENV, is_loopback
+from .._wire._connect import alternatives
+from .._wire._framed import FrameStream, server_handshake
 from ..abc import ComputeBackend, ForwardItem, exports_kv
 from ..model import ModelFile
 from ..transports._websocket import parse_ws_address
-from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
+from ._budget import SessionBudget
 from ._connections import Connection, ConnectionTable, TrackedStream
-from ._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache
+from ._prefix import PrefixCache
 from ._scheduler import TickInfo, TickScheduler
 from ._worker import LaneWorker
 
 log = logging.getLogger("stagerun.stage")
 
 SINK_WAIT_SECONDS = 5.0
-# What peers may hold of one stage (see "Connection limits" above).
-DEFAULT_MAX_CONNECTIONS = 1024  # far above an honest pipeline's lanes, standbys and probes
-DEFAULT_MAX_HANDSHAKES = 64  # honest peers take a round trip or two; pools connect one by one
-DEFAULT_IDLE_TIMEOUT = 600.0  # stage 0 replaces idle lanes found closed: minutes cost nothing
 PRESSURE_LOG_SECONDS = 10.0  # one warning this often at most about connections closed for room
 PLAIN_SCHEMES = ("tcp", "ws")  # transports whose frames cross the network unprotected
 
@@ -77,100 +70,52 @@ class StageServer:
 
     Args:
         backend: the compute backend for this stage's layers.
-        index: this stage's position in the pipeline (0 is the driver, so servers are >= 1).
-        downstream: address of the next stage, or None on the last stage; several addresses
-            separated by commas are the next stage and its standbys, tried in order.
-        wire_dtype: activation dtype used when forwarding downstream.
-        handshake_timeout: seconds a connecting peer has to send its hello (and, with a lane
-            secret, its nonce and proof); a peer that stalls is dropped after that.
-        max_batch: sessions one tick computes together at most (1: no batching).
-        tick_rows: rows one tick computes at most (a larger forward runs alone).
-        max_sessions: requests open at once on this stage, over all its lanes; a
-            ``Configure`` past it is answered with an ``Error``.
-        max_kv_tokens: KV positions the caches of all those requests may reach together; a
-            compute past it is answered with an ``Error``.
-        max_connections: connections open at once, at most (lowered at start to what the
-            open-file limit leaves room for); one more closes the one quiet longest.
-        max_handshakes: connections in their handshake at once, at most; one more closes the
-            oldest of them.
-        idle_timeout: seconds a connection may carry no byte either way before the stage
-            closes it (``math.inf``: never).
-        max_payload_bytes: the largest activation payload one frame from an upstream lane may
-            carry (`stagerun._proto.DEFAULT_MAX_PAYLOAD_BYTES` by default); ``stagerun stage``
-            gives what the model's longest message needs, context x width in float32.
-        prefix_cache_bytes: what this stage's prefix cache may hold (0: no prefix cache). It
-            also holds KV positions of ``max_kv_tokens``, which requests take back when they
-            need them. A backend without `ComputeBackend.export_kv` keeps none.
+        config: every setting of the stage (`stagerun._engine.StageConfig`, which documents
+            them); it must suit ``backend`` (a downstream unless it holds the last layer).
+        settings: `StageConfig` fields by name, in place of ``config`` or replacing some of
+            its settings: ``StageServer(backend, index=1, max_sessions=3)``.
+
+    Raises:
+        ValueError: a setting is out of range, or contradicts the backend.
     """
 
     def __init__(
-        self,
-        backend: ComputeBackend,
-        *,
-        index: int,
-        downstream: str | None = None,
-        wire_dtype: _proto.ActivationDType = "f32",
-        link: LinkEmulation = NO_EMULATION,
-        secret: bytes | EnvSecret | None = ENV_SECRET,
-        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-        max_batch: int | None = None,
-        tick_rows: int = DEFAULT_TICK_ROWS,
-        max_sessions: int = DEFAULT_MAX_SESSIONS,
-        max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
-        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-        max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
-        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
+        self, backend: ComputeBackend, config: StageConfig | None = None, **settings: Any
     ) -> None:
-        if not (0 < handshake_timeout < math.inf):
-            raise ValueError(
-                f"handshake_timeout must be a positive number of seconds, got {handshake_timeout}"
-            )
-        if max_connections < 1 or max_handshakes < 1:
-            raise ValueError(
-                f"max_connections and max_handshakes must be at least 1, got "
-                f"{max_connections} and {max_handshakes}"
-            )
-        if not idle_timeout > 0:
-            raise ValueError(
-                f"idle_timeout must be a positive number of seconds, got {idle_timeout}"
-            )
-        if downstream is None and not backend.is_last:
-            lo, hi = backend.layers
-            raise ValueError(
-                f"stage {index} holds layers {lo}..{hi} but has no downstream stage; "
-                "give it --downstream or let it hold the model's last layer"
-            )
-        if downstream is not None and backend.is_last:
-            raise ValueError(f"stage {index} holds the model's last layer but has a downstream")
+        config = StageConfig.from_settings(config, settings)
+        config.check_backend(backend.layers, backend.is_last)
+        self.config = config
         self.backend = backend
-        self.index = index
-        self.downstream = downstream
-        self.is_last = downstream is None
-        self.wire_dtype = wire_dtype
-        self.link = link
-        self.secret = lane_secret() if isinstance(secret, EnvSecret) else secret
-        self.handshake_timeout = handshake_timeout
+        self.index = config.index
+        self.downstream = config.downstream
+        self.is_last = config.downstream is None
+        self.wire_dtype = config.wire_dtype
+        self.link = config.link
+        self.secret = config.resolve_secret()
+        self.handshake_timeout = config.handshake_timeout
         self.address: str | None = None
-        self.reply_timeout = stage_reply_timeout()
-        self.session_budget = SessionBudget(max_sessions=max_sessions, max_kv_tokens=max_kv_tokens)
+        self.reply_timeout = config.reply_timeout
+        self.session_budget = SessionBudget(
+            max_sessions=config.max_sessions, max_kv_tokens=config.max_kv_tokens
+        )
         self.prefix_cache: PrefixCache | None = None
-        if prefix_cache_bytes > 0 and exports_kv(backend):
-            self.prefix_cache = PrefixCache(prefix_cache_bytes, budget=self.session_budget)
+        if config.prefix_cache_bytes > 0 and exports_kv(backend):
+            self.prefix_cache = PrefixCache(config.prefix_cache_bytes, budget=self.session_budget)
         self.refused = 0  # connections turned down in the handshake
         self.protocol_errors = 0  # lanes closed for a malformed frame
-        self.max_connections = max_connections  # as asked; `connection_limit` is what holds
-        self.idle_timeout = idle_timeout
-        self.max_payload_bytes = max_payload_bytes
+        self.max_connections = config.max_connections  # as asked; `connection_limit` holds
+        self.idle_timeout = config.idle_timeout
+        self.max_payload_bytes = config.max_payload_bytes
         self.turned_away = 0  # connections closed to stay within the limits
         self.idled_out = 0  # connections closed after idle_timeout without a byte
         self._connections = ConnectionTable(
-            max_connections=max_connections, max_handshakes=max_handshakes
+            max_connections=config.max_connections, max_handshakes=config.max_handshakes
         )
         self._turned_away_unlogged = 0
         self._pressure_logged_at = -math.inf
-        self.scheduler = TickScheduler(backend, max_rows=tick_rows, max_items=max_batch)
+        self.scheduler = TickScheduler(
+            backend, max_rows=config.tick_rows, max_items=config.max_batch
+        )
         self._sinks: dict[int, FrameStream] = {}
         self._sink_parked = trio.Condition()
         self.lanes_open = 0
@@ -208,14 +153,16 @@ class StageServer:
 
     async def serve(
         self,
-        address: str = "tcp://127.0.0.1:0",
+        address: str | None = None,
         *,
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen on ``address`` and serve until cancelled; reports the bound address.
+        """Listen on ``address`` (default: the configuration's ``listen``) and serve until
+        cancelled; reports the bound address.
 
         The address's scheme picks the transport plugin (``tcp://``, ``ws://``, ...).
         """
+        address = self.config.listen if address is None else address
         if self.downstream is not None:  # fail early on an address nobody serves
             for candidate in alternatives(self.downstream):
                 plugins.transport_for(candidate)
@@ -450,44 +397,15 @@ def payload_limit(model: ModelFile) -> int:
 
 async def serve_stage(
     backend: ComputeBackend,
+    config: StageConfig | None = None,
     *,
-    index: int,
-    downstream: str | None = None,
-    listen: str = "tcp://127.0.0.1:0",
-    wire_dtype: _proto.ActivationDType = "f32",
-    link: LinkEmulation = NO_EMULATION,
-    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-    max_batch: int | None = None,
-    max_sessions: int = DEFAULT_MAX_SESSIONS,
-    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
-    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-    max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
-    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    **settings: Any,
 ) -> None:
-    """Serve one stage on ``listen`` until cancelled.
+    """Serve one stage on its configuration's ``listen`` address until cancelled.
 
-    ``await nursery.start(serve_stage, ...)`` gives the address it really listens on.
-    ``handshake_timeout``, ``max_batch``, ``max_sessions``, ``max_kv_tokens``,
-    ``max_connections``, ``max_handshakes``, ``idle_timeout``, ``max_payload_bytes`` and
-    ``prefix_cache_bytes`` are `StageServer`'s.
+    ``await nursery.start(serve_stage, backend, config)`` gives the address it really
+    listens on. ``config`` and ``settings`` are `StageServer`'s.
     """
-    server = StageServer(
-        backend,
-        index=index,
-        downstream=downstream,
-        wire_dtype=wire_dtype,
-        link=link,
-        handshake_timeout=handshake_timeout,
-        max_batch=max_batch,
-        max_sessions=max_sessions,
-        max_kv_tokens=max_kv_tokens,
-        max_connections=max_connections,
-        max_handshakes=max_handshakes,
-        idle_timeout=idle_timeout,
-        max_payload_bytes=max_payload_bytes,
-        prefix_cache_bytes=prefix_cache_bytes,
-    )
-    await server.serve(listen, task_status=task_status)
+    server = StageServer(backend, config, **settings)
+    await server.serve(task_status=task_status)

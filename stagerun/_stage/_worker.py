@@ -41,6 +41,7 @@ import trio
 
 from .. import _proto, telemetry
 from .._decide._sampling import sample_rows
+from .._engine._config import StageConfig
 from .._errors import (
     ComputeCancelled,
     LaneError,
@@ -50,7 +51,7 @@ from .._errors import (
     StagerunError,
 )
 from .._wire._connect import open_connection
-from .._wire._framed import FrameStream, LinkEmulation
+from .._wire._framed import FrameStream
 from ..abc import ForwardItem
 from ..telemetry import Telemetry, now_ns
 from ._context import StageContext
@@ -72,7 +73,6 @@ __all__ = ["LaneWorker"]
 
 log = logging.getLogger("stagerun.stage")
 
-DOWNSTREAM_CONNECT_SECONDS = 30.0
 MAX_SESSIONS_PER_LANE = 4  # stage 0 runs one request per lane; a little slack, never more
 
 
@@ -215,7 +215,7 @@ class LaneWorker:
             self.down = None
         if self.down is None:
             assert self.server.downstream is not None
-            self.down = await _connect_with_retry(self.server.downstream, self.server.link)
+            self.down = await _connect_with_retry(self.server.config)
             assert self._nursery is not None
             self._nursery.start_soon(self._relay_acks, self.down)
         return self.down
@@ -580,17 +580,19 @@ class LaneWorker:
         await target.send(error, timeout=self.server.reply_timeout)
 
 
-async def _connect_with_retry(address: str, link: LinkEmulation) -> FrameStream:
+async def _connect_with_retry(config: StageConfig) -> FrameStream:
     """Open the downstream hop, retrying while the next stage is still starting."""
-    deadline = trio.current_time() + DOWNSTREAM_CONNECT_SECONDS
+    assert config.downstream is not None
+    deadline = trio.current_time() + config.downstream_retry_window
     while True:
         try:
             return await open_connection(
-                address,
+                config.downstream,
                 role=_proto.Role.LANE,
-                connect_timeout=2.0,
-                ready_timeout=10.0,
-                link=link,
+                connect_timeout=config.downstream_connect_timeout,
+                ready_timeout=config.downstream_ready_timeout,
+                link=config.link,
+                secret=config.resolve_secret(),
             )
         except LaneHandshakeError:
             if trio.current_time() >= deadline:
