@@ -319,7 +319,11 @@ def _admission_options(serve: argparse.ArgumentParser) -> None:
 
 
 def _http_options(serve: argparse.ArgumentParser) -> None:
-    from ..server._state import DEFAULT_BODY_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, DEFAULT_WRITE_TIMEOUT
+    from ..server._config import (
+        DEFAULT_BODY_TIMEOUT,
+        DEFAULT_REQUEST_TIMEOUT,
+        DEFAULT_WRITE_TIMEOUT,
+    )
 
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*; every "
