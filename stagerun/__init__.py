@@ -12,10 +12,11 @@ layers below it (tests/test_layers.py checks this on the import graph):
 5. ``_wire``: both ends of a lane (framed streams with deadlines, handshakes, dialling, secrets);
 6. ``abc``: the plugin interfaces, declared once;
 7. ``transports``, ``backends``, ``drafters``: the built-in plugins;
-8. ``_stage``: the stage side (the stage server and its lane workers);
-9. ``_driver``: stage 0 (configuration, launch, supervision, the lane pool, requests);
-10. ``server`` (the HTTP API) and ``testing`` (the plugin authors' kit);
-11. ``_cli``: the command line and its benchmarks.
+8. ``_engine``: the stage engine (every stage's settings, `StageConfig`);
+9. ``_stage``: the stage side (the stage server and its lane workers);
+10. ``_driver``: stage 0 (configuration, launch, supervision, the lane pool, requests);
+11. ``server`` (the HTTP API) and ``testing`` (the plugin authors' kit);
+12. ``_cli``: the command line and its benchmarks.
 """
 
 from . import _blas  # noqa: F401  (must run before numpy loads OpenBLAS)

@@ -27,17 +27,23 @@ import attrs
 import trio
 
 from . import plugins
-from ._driver._config import PipelineConfig, PipelinePlan, SupervisionPolicy, plan
+from ._driver._config import (
+    PipelineConfig,
+    PipelinePlan,
+    SupervisionPolicy,
+    plan,
+    session_limits,
+    stage_config,
+)
 from ._driver._lanes import LanePool
 from ._driver._pipeline import Pipeline
 from ._driver._supervise import REMOVE_WITH_PARENT_ENV, StageProcess, spawn_process, stage_command
 from ._driver._values import StageInfo
-from ._engine import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
-from ._stage._server import serve_stage
+from ._engine._config import to_argv
+from ._stage._server import payload_limit, serve_stage
 from ._util import single_exceptions
 from ._wire._auth import SECRET_FILE_ENV, lane_secret
 from ._wire._connect import ENV_SECRET, EnvSecret
-from ._wire._framed import LinkEmulation
 from .model import ModelFile, open_model
 
 # Random bytes in a secret made for the stage processes started here (written as hex).
@@ -106,7 +112,7 @@ async def open_pipeline(
             if config.remote is not None:
                 infos += [StageInfo(st.index, st.layers, st.remote) for st in layout.stages[1:]]
             else:
-                infos += await _start_stages(nursery, model_file, config, layout, link, auth)
+                infos += await _start_stages(nursery, model_file, config, layout, auth)
             addresses = [s.address for s in infos[1:] if s.address is not None]
             pool = None
             if addresses:
@@ -119,6 +125,7 @@ async def open_pipeline(
                     secret=auth.secret,
                 )
                 await pool.start()
+            limits = session_limits(config, model_file.config.context_length)
             pipeline = Pipeline(
                 model_file,
                 backend0,
@@ -130,7 +137,10 @@ async def open_pipeline(
                 speculation=config.speculation,
                 recovery=config.recovery,
                 chat_template=config.chat_template,
-                **_stage_limits(model_file, config),  # stage 0 is bounded as the others are
+                prefix_cache_bytes=config.prefix_cache_bytes,
+                # stage 0 is bounded as the others are
+                max_sessions=limits[0],
+                max_kv_tokens=limits[1],
             )
             try:
                 yield pipeline
@@ -141,37 +151,26 @@ async def open_pipeline(
                 nursery.cancel_scope.cancel()
 
 
-def _stage_limits(model_file: ModelFile, config: PipelineConfig) -> dict[str, int]:
-    """Sessions, KV positions and prefix cache for the stages started here.
-
-    The stages' defaults suit 16 requests at once; a larger pool (`PipelineConfig.capacity`,
-    ``serve --max-batch``) needs a session per lane, with spares for lanes being replaced,
-    and room for every lane's request to reach the context.
-    """
-    return {
-        "prefix_cache_bytes": config.prefix_cache_bytes,
-        "max_sessions": max(DEFAULT_MAX_SESSIONS, 4 * config.capacity),
-        "max_kv_tokens": max(
-            DEFAULT_MAX_KV_TOKENS, config.capacity * model_file.config.context_length
-        ),
-    }
-
-
 async def _start_stages(
     nursery: trio.Nursery,
     model_file: ModelFile,
     config: PipelineConfig,
     layout: PipelinePlan,
-    link: LinkEmulation,
     auth: LaneAuth,
 ) -> list[StageInfo]:
     """Start stages 1.. here, last first so each learns its downstream address; their infos
     in stage order."""
     downstream: str | None = None
     started: list[StageInfo] = []
-    limits = _stage_limits(model_file, config)
     for stage in reversed(layout.stages[1:]):
-        assert stage.listen is not None
+        settings = stage_config(
+            config,
+            stage,
+            downstream=downstream,
+            model=str(model_file.path),
+            context_length=model_file.config.context_length,
+            max_payload_bytes=payload_limit(model_file),
+        )
         if config.mode == "inproc":
             stage_backend = await trio.to_thread.run_sync(
                 functools.partial(
@@ -183,89 +182,21 @@ async def _start_stages(
                     device=stage.device,
                 )
             )
-            address = await nursery.start(
-                functools.partial(
-                    serve_stage,
-                    stage_backend,
-                    index=stage.index,
-                    downstream=downstream,
-                    listen=stage.listen,
-                    wire_dtype=config.wire_dtype,
-                    link=link,
-                    max_sessions=limits["max_sessions"],
-                    max_kv_tokens=limits["max_kv_tokens"],
-                    prefix_cache_bytes=limits["prefix_cache_bytes"],
-                )
-            )
+            address = await nursery.start(serve_stage, stage_backend, settings)
             started.append(StageInfo(stage.index, stage.layers, address, os.getpid()))
         else:
-            process = await _spawn_stage(
-                nursery,
-                model_file,
+            process = StageProcess(
                 stage.index,
-                stage.layers,
-                downstream,
-                stage.threads,
-                config.wire_dtype,
-                stage.listen,
-                stage.backend,
-                stage.device,
-                link,
+                stage_command(to_argv(settings, listen=False)),  # the process adds --listen
+                settings.listen,
                 config.supervision or SupervisionPolicy(),
-                auth,
-                limits,
+                spawn=functools.partial(spawn_process, env=auth.env),
+                secret=auth.secret,
             )
+            await nursery.start(process.run)
             address = process.address
             started.append(
                 StageInfo(stage.index, stage.layers, address, process.pid, process=process)
             )
         downstream = address
     return started[::-1]
-
-
-async def _spawn_stage(
-    nursery: trio.Nursery,
-    model: ModelFile,
-    index: int,
-    layers: tuple[int, int],
-    downstream: str | None,
-    threads: int | None,
-    wire_dtype: str,
-    listen: str,
-    backend: str,
-    device: str | None,
-    link: LinkEmulation,
-    policy: SupervisionPolicy,
-    auth: LaneAuth,
-    limits: dict[str, int],
-) -> StageProcess:
-    argv = [
-        "--model", str(model.path),
-        "--layers", f"{layers[0]}:{layers[1]}",
-        "--index", str(index),
-        "--backend", backend,
-        "--wire-dtype", wire_dtype,
-    ]  # fmt: skip
-    argv += ["--max-sessions", str(limits["max_sessions"])]
-    argv += ["--max-kv-tokens", str(limits["max_kv_tokens"])]
-    argv += ["--prefix-cache-mb", str(limits["prefix_cache_bytes"] >> 20)]
-    if downstream is not None:
-        argv += ["--downstream", downstream]
-    if device is not None:
-        argv += ["--device", device]
-    if threads is not None:
-        argv += ["--threads", str(threads)]
-    if link.delay_s:
-        argv += ["--hop-delay-ms", repr(link.delay_s * 1000.0)]
-    if link.bandwidth_bytes_per_s:
-        argv += ["--bandwidth-mbps", repr(link.bandwidth_bytes_per_s / 125_000.0)]
-    process = StageProcess(
-        index,
-        stage_command(argv),
-        listen,
-        policy,
-        spawn=functools.partial(spawn_process, env=auth.env),
-        secret=auth.secret,
-    )
-    started: StageProcess = await nursery.start(process.run)
-    return started

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+from typing import Any
 
+import attrs
 import pytest
 
 import stagerun
 from stagerun import PipelineConfig, plan
 from stagerun._cli._config import config_from_args
 from stagerun._cli._options import build_parser
+from stagerun._driver._config import stage_config
 from stagerun.plugins import PluginError
 from stagerun.testing import write_tiny_model
 
@@ -56,6 +59,82 @@ def test_contradictions_are_refused_before_anything_starts(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         plan(config, 30)
+
+
+# One invalid value per PipelineConfig field; a new field fails the test below until it has one.
+INVALID: dict[str, Any] = {
+    "stages": 0,
+    "layers": [(0, 10), (12, 30)],
+    "mode": "threads",
+    "remote": [""],
+    "host": "",
+    "threads": 0,
+    "stage_threads": (0,),
+    "wire_dtype": "f8",
+    "capacity": 0,
+    "prefill_chunk": "huge",
+    "prefill_credit": 0,
+    "hop_delay_ms": -1.0,
+    "bandwidth_mbps": -1.0,
+    "speculation": "ngram",
+    "transport": "pigeon",
+    "transports": ("tcp",),
+    "backend": "abacus",
+    "backends": ("numpy", "numpy"),
+    "device": "cuda",
+    "recovery": stagerun.RecoveryPolicy(max_breaks=-1),
+    "supervision": stagerun.SupervisionPolicy(probe_timeout=0),
+    "reply_timeout": 0.0,
+    "prefix_cache": "yes",
+    "prefix_cache_mb": -1,
+    "chat_template": "  ",
+}
+
+
+def test_every_setting_has_an_invalid_value_here() -> None:
+    assert set(INVALID) == set(attrs.fields_dict(PipelineConfig))
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_plan_refuses_every_invalid_setting(name: str) -> None:
+    plan(PipelineConfig(), 30)  # the defaults pass, so the one setting is what is refused
+    with pytest.raises((ValueError, PluginError)) as refused:
+        plan(PipelineConfig(**{name: INVALID[name]}), 30)
+    message = str(refused.value)
+    assert "\n" not in message
+    if isinstance(refused.value, ValueError) and "@ PipelineConfig." in message:
+        assert message.endswith(f"@ PipelineConfig.{name}")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("prefill_chunk", 0, "prefill_chunk must be"),
+        ("prefill_credit", 0, "prefill_credit must be at least 1"),
+        ("capacity", 0, "capacity must be at least 1"),
+        ("wire_dtype", "bf16", "wire_dtype must be one of f32, f16, q8"),
+        ("reply_timeout", -1.0, "reply_timeout must be None or a positive number"),
+    ],
+)
+def test_what_open_pipeline_refused_late_plan_refuses_first(
+    name: str, value: Any, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan(PipelineConfig(stages=3, **{name: value}), 30)
+
+
+def test_the_stages_started_here_get_their_configuration_from_the_plan() -> None:
+    config = PipelineConfig(stages=3, capacity=32, wire_dtype="q8", hop_delay_ms=5.0)
+    layout = plan(config, 30)
+    middle = stage_config(config, layout.stages[1], downstream="tcp://127.0.0.1:9", model="m")
+    assert (middle.index, middle.listen, middle.downstream) == (
+        1,
+        "tcp://127.0.0.1:0",
+        "tcp://127.0.0.1:9",
+    )
+    assert (middle.wire_dtype, middle.link.delay_s, middle.max_sessions) == ("q8", 0.005, 128)
+    assert middle.compute is not None and middle.compute.layers == (10, 20)
+    assert stage_config(config, layout.stages[2], downstream=None).compute is None
 
 
 def test_an_unknown_plugin_is_refused_by_the_plan() -> None:

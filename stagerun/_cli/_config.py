@@ -66,7 +66,7 @@ def max_batch_from_args(args: argparse.Namespace) -> int | None:
     deprecated alias; default `DEFAULT_MAX_BATCH`), bench load's ``--parallel``; None for a
     command that has neither."""
     if hasattr(args, "max_batch"):
-        from ..server._state import DEFAULT_MAX_BATCH  # only serve pays for the server import
+        from ..server._config import DEFAULT_MAX_BATCH  # only serve pays for the server import
 
         return DEFAULT_MAX_BATCH if args.max_batch is None else int(args.max_batch)
     parallel = getattr(args, "parallel", None)

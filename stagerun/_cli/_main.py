@@ -18,7 +18,6 @@ from .._errors import StagerunError
 from .._proto import SamplingParams
 from .._util import single_exceptions
 from .._wire._auth import SECRET_FILE_ENV, lane_secret
-from .._wire._framed import LinkEmulation
 from ._options import build_parser
 
 
@@ -162,10 +161,7 @@ def _stage_from_topology(args: argparse.Namespace) -> None:
         args.listen = args.listen or entry.listen or entry.address
         if args.downstream is None and nxt is not None:
             args.downstream = ",".join([nxt.address or "", *nxt.standby])
-    if args.layers is None:
-        raise ValueError("give the stage its layers: --layers LO:HI, or --topology FILE --index I")
     args.model = args.model or "smollm2"
-    args.backend = args.backend or "numpy"
 
 
 async def _listening(
@@ -183,43 +179,25 @@ async def _listening(
 
 async def _stage(args: argparse.Namespace) -> int:
     from .. import plugins
+    from .._engine._config import StageConfig
     from .._stage._server import payload_limit, serve_stage
     from ..model import open_model
-    from ..transports import format_address
 
     _stage_from_topology(args)
-    model = open_model(args.model)
+    config = StageConfig.from_args(args)
+    assert config.compute is not None
+    compute = config.compute
+    model = open_model(compute.model)
+    if args.max_payload_bytes is None:  # what the model's longest message needs
+        config = config.replace(max_payload_bytes=payload_limit(model))
     backend = plugins.build_backend(
-        args.backend, model, args.layers, threads=args.threads,
-        device=args.device,
-    )  # fmt: skip
-    listen = args.listen or format_address("tcp", args.host, args.port)
+        compute.backend, model, compute.layers, threads=compute.threads, device=compute.device
+    )
     async with trio.open_nursery() as nursery:
         address = await _listening(
             nursery,
-            listen,
-            lambda task_status: serve_stage(
-                backend,
-                index=args.index,
-                downstream=args.downstream,
-                listen=listen,
-                wire_dtype=args.wire_dtype,
-                handshake_timeout=args.handshake_timeout,
-                max_sessions=args.max_sessions,
-                max_kv_tokens=args.max_kv_tokens,
-                max_connections=args.max_connections,
-                max_handshakes=args.max_handshakes,
-                idle_timeout=args.idle_timeout,
-                max_payload_bytes=payload_limit(model),
-                prefix_cache_bytes=args.prefix_cache_mb << 20 if args.prefix_cache == "on" else 0,
-                link=LinkEmulation(
-                    delay_s=args.hop_delay_ms / 1000.0,
-                    bandwidth_bytes_per_s=(
-                        args.bandwidth_mbps * 125_000.0 if args.bandwidth_mbps else None
-                    ),
-                ),
-                task_status=task_status,
-            ),
+            config.listen,
+            lambda task_status: serve_stage(backend, config, task_status=task_status),
         )
         print(f"READY {address}", flush=True)
         lo, hi = args.layers

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._driver._config import DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES, SpeculationConfig
-from .._engine._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS
-from .._stage._server import DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_HANDSHAKES
+from .._engine import _config as engine
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
 from ._bench_options import _request_selector as _request_selector  # re-exported (tests use it)
 from ._bench_options import add_bench_parsers
@@ -59,32 +58,80 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _stage_limit_options(stage: argparse.ArgumentParser) -> None:
+def _seconds_or_never(text: str) -> float:
+    if text.strip().lower() in ("inf", "never"):
+        return math.inf
+    return _seconds(text)
+
+
+def _seconds_or_zero(text: str) -> float:
+    return 0.0 if text.strip() in ("0", "0.0") else _seconds(text)
+
+
+def _stage_limit_options(p: argparse.ArgumentParser) -> None:
     """What upstream peers may make a stage hold (docs/reliability.md, Security)."""
-    stage.add_argument(
-        "--max-sessions", type=_positive_int, default=DEFAULT_MAX_SESSIONS, metavar="N",
+    p.add_argument(
+        "--max-sessions", type=_positive_int, default=engine.DEFAULT_MAX_SESSIONS, metavar="N",
         help="requests open at once on this stage, over all lanes; a Configure past it gets "
-        f"an error (default {DEFAULT_MAX_SESSIONS})",
+        f"an error (default {engine.DEFAULT_MAX_SESSIONS})",
     )  # fmt: skip
-    stage.add_argument(
-        "--max-kv-tokens", type=_positive_int, default=DEFAULT_MAX_KV_TOKENS, metavar="N",
+    p.add_argument(
+        "--max-kv-tokens", type=_positive_int, default=engine.DEFAULT_MAX_KV_TOKENS, metavar="N",
         help="KV positions all those requests may reach together "
-        f"(default {DEFAULT_MAX_KV_TOKENS})",
+        f"(default {engine.DEFAULT_MAX_KV_TOKENS})",
     )  # fmt: skip
-    stage.add_argument(
-        "--max-connections", type=_positive_int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-        help="connections open at once (lowered to what the open-file limit allows); one more "
-        f"closes the quietest (default {DEFAULT_MAX_CONNECTIONS})",
+    p.add_argument(
+        "--max-connections", type=_positive_int, default=engine.DEFAULT_MAX_CONNECTIONS,
+        metavar="N", help="connections open at once (lowered to what the open-file limit "
+        f"allows); one more closes the quietest (default {engine.DEFAULT_MAX_CONNECTIONS})",
     )  # fmt: skip
-    stage.add_argument(
-        "--max-handshakes", type=_positive_int, default=DEFAULT_MAX_HANDSHAKES, metavar="N",
+    p.add_argument(
+        "--max-handshakes", type=_positive_int, default=engine.DEFAULT_MAX_HANDSHAKES, metavar="N",
         help="connections in their handshake at once; one more closes the oldest "
-        f"(default {DEFAULT_MAX_HANDSHAKES})",
+        f"(default {engine.DEFAULT_MAX_HANDSHAKES})",
     )  # fmt: skip
-    stage.add_argument(
-        "--idle-timeout", type=_seconds, default=DEFAULT_IDLE_TIMEOUT, metavar="SECS",
-        help="close a connection that carried no byte for SECS "
-        f"(default {DEFAULT_IDLE_TIMEOUT:g})",
+    p.add_argument(
+        "--idle-timeout", type=_seconds_or_never, default=engine.DEFAULT_IDLE_TIMEOUT,
+        metavar="SECS", help="close a connection that carried no byte for SECS (inf: never; "
+        f"default {engine.DEFAULT_IDLE_TIMEOUT:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-payload-bytes", type=_positive_int, default=None, metavar="N",
+        help="the largest activation payload one upstream frame may carry (default: what the "
+        "model's longest message needs, context x width in float32)",
+    )  # fmt: skip
+
+
+def _stage_compute_options(p: argparse.ArgumentParser) -> None:
+    """How a stage batches, and how long it waits for its peers."""
+    p.add_argument(
+        "--max-batch", type=_positive_int, default=None, metavar="N",
+        help="sessions one tick computes together at most (1: no batching; default no cap)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tick-rows", type=_positive_int, default=engine.DEFAULT_TICK_ROWS, metavar="N",
+        help=f"rows one tick computes at most (default {engine.DEFAULT_TICK_ROWS})",
+    )  # fmt: skip
+    p.add_argument(
+        "--reply-timeout", type=_seconds, default=None, metavar="SECS",
+        help="deadline of every write to a peer (default $STAGERUN_STAGE_REPLY_TIMEOUT_SECS "
+        "or 30)",
+    )  # fmt: skip
+    p.add_argument(
+        "--downstream-connect-timeout", type=_seconds, metavar="SECS",
+        default=engine.DEFAULT_DOWNSTREAM_CONNECT_TIMEOUT, help="connect deadline of one dial "
+        f"of the next stage (default {engine.DEFAULT_DOWNSTREAM_CONNECT_TIMEOUT:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--downstream-ready-timeout", type=_seconds, metavar="SECS",
+        default=engine.DEFAULT_DOWNSTREAM_READY_TIMEOUT, help="handshake deadline of one dial "
+        f"of the next stage (default {engine.DEFAULT_DOWNSTREAM_READY_TIMEOUT:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--downstream-retry-window", type=_seconds_or_zero, metavar="SECS",
+        default=engine.DEFAULT_DOWNSTREAM_RETRY_WINDOW, help="keep dialling a next stage that "
+        "refuses (it may still be starting) for SECS "
+        f"(default {engine.DEFAULT_DOWNSTREAM_RETRY_WINDOW:g})",
     )  # fmt: skip
 
 
@@ -272,7 +319,11 @@ def _admission_options(serve: argparse.ArgumentParser) -> None:
 
 
 def _http_options(serve: argparse.ArgumentParser) -> None:
-    from ..server._state import DEFAULT_BODY_TIMEOUT, DEFAULT_REQUEST_TIMEOUT, DEFAULT_WRITE_TIMEOUT
+    from ..server._config import (
+        DEFAULT_BODY_TIMEOUT,
+        DEFAULT_REQUEST_TIMEOUT,
+        DEFAULT_WRITE_TIMEOUT,
+    )
 
     serve.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*; every "
@@ -318,6 +369,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    _add_generate_parser(sub)
+    _add_stage_parser(sub)
+    add_bench_parsers(sub)
+    sub.add_parser("models", help="list the models stagerun can find by name")
+    _add_serve_parser(sub)
+    plugins_cmd = sub.add_parser(
+        "plugins", help="list installed transports, backends and drafters, and broken ones"
+    )
+    plugins_cmd.add_argument("--json", action="store_true")
+    plugins_cmd.add_argument(
+        "--load", action="store_true", help="import and validate every plugin now"
+    )
+    return parser
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gen = sub.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("prompt")
     gen.add_argument("--stages", type=int, default=1, help="number of stages (default 1)")
@@ -338,6 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     _speculation_options(gen)
     _link_options(gen)
 
+
+def _add_stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     stage = sub.add_parser("stage", help="serve one stage (layers LO:HI) to upstream lanes")
     stage.add_argument(
         "--topology",
@@ -375,14 +444,18 @@ def build_parser() -> argparse.ArgumentParser:
         f"with a secret, nonce and proof) within SECS (default {DEFAULT_HANDSHAKE_TIMEOUT:g})",
     )
     _stage_limit_options(stage)
+    _stage_compute_options(stage)
     prefix_cache_options(stage)
     _link_options(stage)
     _secret_option(stage)
+    stage.add_argument(
+        "--no-secret", action="store_true",
+        help="serve and dial without lane authentication, even with $STAGERUN_SECRET_FILE set",
+    )  # fmt: skip
     _telemetry_options(stage)
 
-    add_bench_parsers(sub)
-    sub.add_parser("models", help="list the models stagerun can find by name")
 
+def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API over a pipeline")
     serve.add_argument(
         "--model",
@@ -420,11 +493,3 @@ def build_parser() -> argparse.ArgumentParser:
         help="the most tokens any request generates; a larger max_tokens is cut to it "
         "(default 4096)",
     )  # fmt: skip
-    plugins_cmd = sub.add_parser(
-        "plugins", help="list installed transports, backends and drafters, and broken ones"
-    )
-    plugins_cmd.add_argument("--json", action="store_true")
-    plugins_cmd.add_argument(
-        "--load", action="store_true", help="import and validate every plugin now"
-    )
-    return parser

@@ -7,8 +7,8 @@ import logging
 
 import trio
 
+from ..server._config import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from ..server._serve import ServeOptions, serve_with_telemetry
-from ..server._state import DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from ._config import config_from_args, max_batch_from_args
 
 

@@ -1,7 +1,7 @@
 """One value for everything a pipeline is asked to be, and the pure plan made from it.
 
-Every setting type lives here: `PipelineConfig` and the three it holds, `SpeculationConfig`,
-`RecoveryPolicy` and `SupervisionPolicy`.
+Every setting type is here: `PipelineConfig`, and the three it holds, `SpeculationConfig`,
+`RecoveryPolicy` and `SupervisionPolicy` (declared in `._policies`, re-exported).
 
 `PipelineConfig` holds every setting of `stagerun.open_pipeline` (its topology, plugins, device,
 threads, link emulation, capacity, prefill, speculation, recovery, supervision, timeouts); the
@@ -10,169 +10,50 @@ command line builds one from its arguments in one place (`stagerun._cli._config`
 model's layer count and works out each stage's layers, backend, device and listen address,
 without a socket or a thread: what `open_pipeline` refuses, `plan` refuses first.
 
-Adding a pipeline option means: a field here (with its check in `plan` if it needs one), its
+`plan` also builds the `StageConfig` of every stage started here (`stage_config`, what
+`open_pipeline` then starts them with), so a stage-side setting it would refuse is refused
+first too.
+
+Adding a pipeline option means: a field here with its check in `_CHECKS` (or in `plan`, if it
+depends on other fields), an invalid value for it in ``tests/test_config.py``, its
 command-line flag and mapping in `stagerun._cli`, and its docs.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-from typing import Any, Literal
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
 
 import attrs
 
-from .. import _decide, plugins
-from .._decide._prefill import ChunkPolicy
-from .._engine._prefix import DEFAULT_PREFIX_CACHE_MB
+from .. import _proto, plugins
+from .._decide._prefill import (
+    AdaptiveRamp,
+    ChunkPolicy,
+    FixedChunks,
+    ScheduleChunks,
+    parse_chunk_policy,
+)
+from .._engine._config import (
+    DEFAULT_MAX_KV_TOKENS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_PREFIX_CACHE_MB,
+    StageCompute,
+    StageConfig,
+)
 from .._proto import ActivationDType
+from .._wire._connect import alternatives
 from .._wire._framed import LinkEmulation
+from ._policies import DEFAULT_FAILURE_WINDOW as DEFAULT_FAILURE_WINDOW
+from ._policies import DEFAULT_MAX_FAILURES as DEFAULT_MAX_FAILURES
+from ._policies import RecoveryPolicy as RecoveryPolicy
+from ._policies import SpeculationConfig as SpeculationConfig
+from ._policies import SupervisionPolicy as SupervisionPolicy
 
 Mode = Literal["inproc", "processes"]
 DEFAULT_PREFILL_CHUNK = "adaptive"
 DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowledged
-# A stage process that exits this often is given up (systemd's StartLimitBurst is 5 too): with
-# the 0.2 s backoff doubling, five quick failures take about 10 s of trying, long enough to
-# ride out a transient cause, short enough that clients are told soon.
-DEFAULT_MAX_FAILURES = 5
-DEFAULT_FAILURE_WINDOW = 60.0  # seconds; exits older than this are forgotten
-
-
-@attrs.frozen
-class SpeculationConfig:
-    """How a pipeline speculates.
-
-    Attributes:
-        drafter: ``off``, or a drafter plugin: ``ngram`` (prompt lookup), ``draft-model``, or
-            an installed plugin's name.
-        depth: verify windows kept in flight per request (1 = serial).
-        window: draft tokens per window at most.
-        adaptive: let the window width follow acceptance, and stop drafting for a request
-            whose acceptance is too low to pay for the windows.
-        draft_model: the GGUF (name or path) for ``draft-model``.
-    """
-
-    drafter: str = "off"
-    depth: int = 4
-    window: int = 4
-    adaptive: bool = True
-    draft_model: str | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if self.drafter != "off" and self.drafter not in plugins.names("drafters"):
-            choices = ", ".join(["off", *plugins.names("drafters")])
-            raise ValueError(f"unknown drafter {self.drafter!r}; choose one of {choices}")
-        if not 1 <= self.depth <= _decide.MAX_VERIFY_WINDOW_DEPTH:
-            raise ValueError(
-                f"depth must be within 1..{_decide.MAX_VERIFY_WINDOW_DEPTH}, got {self.depth}"
-            )
-        if not 1 <= self.window <= 32:
-            raise ValueError(f"window must be within 1..32 draft tokens, got {self.window}")
-        if self.drafter == "draft-model" and not self.draft_model:
-            raise ValueError("the draft-model drafter needs a draft model (--draft-model)")
-
-    @property
-    def enabled(self) -> bool:
-        return self.drafter != "off"
-
-
-@attrs.frozen
-class RecoveryPolicy:
-    """How a request survives a lane that breaks under it (see docs/reliability.md).
-
-    When a lane fails mid-request (a stage killed, a connection reset, a reply timeout), stage
-    0 waits ``backoff`` seconds (doubling up to ``max_backoff``), checks out a fresh lane --
-    which reaches the restarted stage -- and replays the committed tokens (prompt plus
-    everything already generated) as a prefill to rebuild every KV cache; decoding then goes
-    on where it stopped, and the caller sees one uninterrupted stream. Sampling depends only
-    on the seed and the position, so the continuation is the one the request would have had.
-
-    Args:
-        max_breaks: lane failures one request survives; the next one fails it.
-        timeout: seconds one recovery may take (waiting for the stage included) before the
-            request fails with `RecoveryFailedError`. Default
-            ``$STAGERUN_RECOVERY_TIMEOUT_SECS`` or 60.
-        backoff: first wait between attempts, in seconds.
-        max_backoff: the longest wait between attempts.
-    """
-
-    max_breaks: int = 3
-    timeout: float = attrs.field(
-        factory=lambda: float(os.environ.get("STAGERUN_RECOVERY_TIMEOUT_SECS", "60"))
-    )
-    backoff: float = 0.1
-    max_backoff: float = 0.5
-
-    @classmethod
-    def disabled(cls) -> RecoveryPolicy:
-        """Fail a request at its first lane failure."""
-        return cls(max_breaks=0)
-
-
-@attrs.frozen
-class SupervisionPolicy:
-    """How `open_pipeline` looks after the stage processes it starts.
-
-    Args:
-        restart: start a stage again when its process exits.
-        backoff: first wait before a restart, in seconds; doubles up to ``max_backoff``.
-        stable_after: a process that ran this long resets the backoff.
-        probe_interval: seconds between liveness probes (0 turns probing off).
-        probe_timeout: a probe's handshake deadline.
-        probe_failures: failed probes in a row before a live process is killed.
-        ready_timeout: seconds a (re)started process has to print its ready line.
-        max_failures: exits within ``failure_window`` seconds after which the stage is
-            given up (state ``failed``): it is not started again, and requests that need it
-            fail at once instead of waiting for a recovery that cannot come.
-        failure_window: the window, in seconds, ``max_failures`` is counted over.
-    """
-
-    restart: bool = True
-    backoff: float = 0.2
-    max_backoff: float = 10.0
-    stable_after: float = 30.0
-    probe_interval: float = 2.0
-    probe_timeout: float = 5.0
-    probe_failures: int = 3
-    ready_timeout: float = 120.0
-    max_failures: int = DEFAULT_MAX_FAILURES
-    failure_window: float = DEFAULT_FAILURE_WINDOW
-
-    def __attrs_post_init__(self) -> None:
-        if self.max_failures < 1:
-            raise ValueError(f"max_failures must be at least 1, got {self.max_failures}")
-        if not self.failure_window > 0:
-            raise ValueError(f"failure_window must be positive, got {self.failure_window}")
-
-    def gives_up(self, exits: Sequence[float]) -> bool:
-        """Whether a stage whose process exited at the times ``exits`` (oldest first, the
-        latest exit last) is given up rather than restarted.
-
-        True once ``max_failures`` of them fall within ``failure_window`` seconds up to the
-        latest: the doubling backoff alone would restart a stage that cannot start (its port
-        taken, its model file gone) forever, every ``max_backoff`` seconds.
-        """
-        if not exits:
-            return False
-        since = exits[-1] - self.failure_window
-        return sum(1 for t in exits if t > since) >= self.max_failures
-
-    def restart_delay(self, previous: float | None, uptime: float) -> float:
-        """Seconds to wait before restarting a process that exited after ``uptime`` seconds.
-
-        Args:
-            previous: the wait before the previous restart; None if this is the first one.
-            uptime: how long the process that just exited served: from its ready line to its
-                exit (0 when it never got ready, so a start that hangs until it is killed
-                never counts as a stable run).
-
-        Returns:
-            ``backoff`` for the first restart and after a run longer than ``stable_after``;
-            otherwise twice ``previous``, at most ``max_backoff``.
-        """
-        if previous is None or uptime > self.stable_after:
-            return self.backoff
-        return min(previous * 2, self.max_backoff)
 
 
 def _tuple_or_none(value: Sequence[Any] | None) -> tuple[Any, ...] | None:
@@ -313,6 +194,179 @@ def split_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def _whole(least: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+def _number(least: float, *, above: bool = False) -> Callable[[Any], bool]:
+    def check(v: Any) -> bool:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            return False
+        return v > least if above else v >= least
+
+    return check
+
+
+def _chunk_policy_ok(value: Any) -> bool:
+    if isinstance(value, (FixedChunks, ScheduleChunks, AdaptiveRamp)):
+        return True
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return False
+    try:
+        parse_chunk_policy(str(value))  # what `Pipeline` does with it
+    except ValueError:
+        return False
+    return True
+
+
+def _recovery_ok(value: Any) -> bool:
+    if not isinstance(value, RecoveryPolicy):
+        return False
+    times = (value.timeout, value.backoff, value.max_backoff)
+    return _whole(0)(value.max_breaks) and all(map(_number(0.0), times))
+
+
+def _supervision_ok(value: Any) -> bool:
+    if not isinstance(value, SupervisionPolicy):
+        return False
+    waits = (value.backoff, value.max_backoff, value.stable_after, value.probe_interval)
+    deadlines = (value.probe_timeout, value.ready_timeout)
+    return (
+        all(map(_number(0.0), waits))
+        and all(map(_number(0.0, above=True), deadlines))
+        and _whole(1)(value.probe_failures)
+    )
+
+
+def _names(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _name_list(value: Any) -> bool:
+    return isinstance(value, tuple) and all(map(_names, value))
+
+
+# field -> (what it must be, its check); `plan` checks how the fields fit together.
+_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "stages": ("must be at least 1", _whole(1)),
+    "mode": (f"must be one of {', '.join(get_args(Mode))}", lambda v: v in get_args(Mode)),
+    "host": ("must be a host name or address", _names),
+    "threads": ("must be None or at least 1", _optional(_whole(1))),
+    "wire_dtype": (
+        f"must be one of {', '.join(_proto.ACTIVATION_DTYPES)}",
+        lambda v: v in _proto.ACTIVATION_DTYPES,
+    ),
+    "capacity": ("must be at least 1 lane", _whole(1)),
+    "prefill_chunk": (
+        "must be 'adaptive', a size like 256 or a schedule like 128,256",
+        _chunk_policy_ok,
+    ),
+    "prefill_credit": ("must be at least 1 chunk", _whole(1)),
+    "hop_delay_ms": ("must not be negative (milliseconds)", _number(0.0)),
+    "bandwidth_mbps": ("must be None or 0 or more Mbit/s (0: no cap)", _optional(_number(0.0))),
+    "speculation": (
+        "must be None or a SpeculationConfig",
+        _optional(lambda v: isinstance(v, SpeculationConfig)),
+    ),
+    "transport": ("must be a transport plugin's name", _names),
+    "transports": ("must be None or transport plugins' names", _optional(_name_list)),
+    "backend": ("must be a backend plugin's name", _names),
+    "backends": ("must be None or backend plugins' names", _optional(_name_list)),
+    "device": ("must be None or a device name (cuda, cpu, ...)", _optional(_names)),
+    "recovery": (
+        "must be None or a RecoveryPolicy of no negative counts or times",
+        _optional(_recovery_ok),
+    ),
+    "supervision": (
+        "must be None or a SupervisionPolicy of positive deadlines and no negative waits",
+        _optional(_supervision_ok),
+    ),
+    "reply_timeout": (
+        "must be None or a positive number of seconds",
+        _optional(_number(0.0, above=True)),
+    ),
+    "prefix_cache": ("must be True or False", lambda v: isinstance(v, bool)),
+    "prefix_cache_mb": ("must not be negative (MiB)", _whole(0)),
+    "chat_template": ("must be None or a template's text, not empty", _optional(_names)),
+}
+
+
+def check_settings(config: PipelineConfig) -> None:
+    """Refuse a setting that is wrong whatever the others are (`plan` checks the rest).
+
+    Raises:
+        ValueError: one sentence, ``what @ PipelineConfig.field``.
+    """
+    for name, (requirement, check) in _CHECKS.items():
+        value = getattr(config, name)
+        if not check(value):
+            shown = (
+                f"a template of {len(value)} characters" if name == "chat_template" else repr(value)
+            )
+            raise ValueError(f"{name} {requirement}, got {shown} @ PipelineConfig.{name}")
+
+
+def stage_config(
+    config: PipelineConfig,
+    stage: StagePlan,
+    *,
+    downstream: str | None,
+    model: str | None = None,
+    context_length: int = 0,
+    max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
+) -> StageConfig:
+    """The settings of ``stage``, started here by `open_pipeline` (and checked by `plan`).
+
+    The stages' defaults suit 16 requests at once; a larger pool (`PipelineConfig.capacity`,
+    ``serve --max-batch``) needs a session per lane, with spares for lanes being replaced,
+    and room for every lane's request to reach the context (``context_length``).
+
+    Args:
+        downstream: the next stage's address (None on the last stage).
+        model: the model's name or path, for a stage process to load (None: the stage is
+            handed its backend).
+        max_payload_bytes: the largest activation payload a frame may carry.
+    """
+    assert stage.listen is not None, "only stages started here have a configuration"
+    compute = None
+    if model is not None:
+        compute = StageCompute(
+            model=model,
+            layers=stage.layers,
+            backend=stage.backend,
+            threads=stage.threads,
+            device=stage.device,
+        )
+    return StageConfig(
+        index=stage.index,
+        compute=compute,
+        downstream=downstream,
+        listen=stage.listen,
+        wire_dtype=config.wire_dtype,
+        hop_delay_ms=config.hop_delay_ms,
+        bandwidth_mbps=config.bandwidth_mbps,
+        max_sessions=session_limits(config, context_length)[0],
+        max_kv_tokens=session_limits(config, context_length)[1],
+        max_payload_bytes=max_payload_bytes,
+        prefix_cache_bytes=config.prefix_cache_bytes,
+    )
+
+
+def session_limits(config: PipelineConfig, context_length: int) -> tuple[int, int]:
+    """What the sessions of a stage may hold: ``(max_sessions, max_kv_tokens)``.
+
+    The same for every stage of the pipeline, stage 0 included (see `stage_config`).
+    """
+    return (
+        max(DEFAULT_MAX_SESSIONS, 4 * config.capacity),
+        max(DEFAULT_MAX_KV_TOKENS, config.capacity * context_length),
+    )
+
+
 def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
     """Check ``config`` against a model of ``n_layers`` layers and lay out its stages.
 
@@ -323,10 +377,7 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
         ValueError: a setting contradicts another or the model (the message names both).
         stagerun.plugins.PluginError: a named transport or backend is missing or broken.
     """
-    if config.hop_delay_ms < 0:
-        raise ValueError(f"hop_delay_ms must not be negative, got {config.hop_delay_ms}")
-    if config.prefix_cache_mb < 0:
-        raise ValueError(f"prefix_cache_mb must not be negative, got {config.prefix_cache_mb}")
+    check_settings(config)
     remote = config.remote
     stages = len(remote) + 1 if remote is not None and config.layers is None else config.stages
     ranges = list(config.layers) if config.layers is not None else split_layers(n_layers, stages)
@@ -339,6 +390,10 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
             f"{len(ranges)} stages have {hops} hops, but {len(config.transports)} "
             f"transports were given ({', '.join(config.transports)})"
         )
+    for address in remote or ():
+        for candidate in alternatives(address):  # an empty entry fails here
+            plugins.transport_for(candidate)  # and so does a scheme nobody serves
+    plugins.transport(config.transport)  # an unknown or broken plugin fails here
     hop_transports = list(config.transports or [config.transport] * hops)
     listen = [plugins.transport(name).local_address(config.host) for name in hop_transports]
     if config.backends is not None and len(config.backends) != len(ranges):
@@ -361,7 +416,7 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
             f"--device {config.device} needs a backend with a device (torch); "
             f"these stages run {', '.join(backends)}"
         )
-    return PipelinePlan(
+    layout = PipelinePlan(
         tuple(
             StagePlan(
                 index=i,
@@ -375,6 +430,11 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
             for i in range(len(ranges))
         )
     )
+    started = [stage for stage in layout.stages[1:] if stage.listen is not None]
+    for stage in started:  # what their servers would refuse, refused now
+        last = stage.index == len(ranges) - 1
+        stage_config(config, stage, downstream=None if last else stage.listen)
+    return layout
 
 
 def _check_ranges(ranges: Sequence[tuple[int, int]], n_layers: int) -> None:

@@ -3,12 +3,14 @@
 `StageEngine` owns a stage's tick scheduler, prefix cache, session budget and stale-work
 counters, and is the one home of what a stage does with a request (open, restore, compute,
 answer, remember, close). The stage server (`stagerun._stage`) and the driver
-(`stagerun._driver`) each hold one and only carry messages to and from it.
+(`stagerun._driver`) each hold one and only carry messages to and from it. `StageConfig` is
+every setting of a stage, declared and checked in one place (`stagerun._engine._config`).
 """
 
 from ._budget import DEFAULT_MAX_KV_TOKENS as DEFAULT_MAX_KV_TOKENS
 from ._budget import DEFAULT_MAX_SESSIONS as DEFAULT_MAX_SESSIONS
 from ._budget import SessionBudget as SessionBudget
+from ._config import StageConfig as StageConfig
 from ._engine import SessionRefused as SessionRefused
 from ._engine import StageEngine as StageEngine
 from ._prefix import DEFAULT_PREFIX_CACHE_MB as DEFAULT_PREFIX_CACHE_MB

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-DEFAULT_MAX_SESSIONS = 64  # 4x the server's default --max-batch: a lane per request, and spares
-DEFAULT_MAX_KV_TOKENS = 131_072  # 16 requests (the default --max-batch) at 8192 positions each
+from .._engine._config import DEFAULT_MAX_KV_TOKENS as DEFAULT_MAX_KV_TOKENS
+from .._engine._config import DEFAULT_MAX_SESSIONS as DEFAULT_MAX_SESSIONS
 
 __all__ = ["DEFAULT_MAX_KV_TOKENS", "DEFAULT_MAX_SESSIONS", "Charged", "SessionBudget"]
 

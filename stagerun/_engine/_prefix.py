@@ -33,11 +33,10 @@ import attrs
 import trio
 
 from .. import _proto
+from .._engine._config import DEFAULT_PREFIX_CACHE_MB as DEFAULT_PREFIX_CACHE_MB
 from ._budget import SessionBudget
 
 __all__ = ["DEFAULT_PREFIX_CACHE_MB", "PrefixCache", "keep_blocks", "restore_blocks"]
-
-DEFAULT_PREFIX_CACHE_MB = 512  # per stage process; running requests win over it anyway
 
 
 @attrs.define

@@ -3,6 +3,8 @@
 `ConnectionTable` is bookkeeping only (`stagerun._stage._server.StageServer` closes what it
 names): connections in their handshake, oldest first, and all connections, quietest first.
 `TrackedStream` wraps an accepted stream so that every byte it carries marks it active.
+`connect_downstream` opens a lane's hop to the next stage, with the stage's own secret and
+deadlines (`StageConfig`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from collections.abc import Callable
 import attrs
 import trio
 
-__all__ = ["Connection", "ConnectionTable", "TrackedStream"]
+from .. import _proto
+from .._engine._config import StageConfig
+from .._errors import LaneHandshakeError
+from .._wire._connect import open_connection
+from .._wire._framed import FrameStream
+
+__all__ = ["Connection", "ConnectionTable", "TrackedStream", "connect_downstream"]
 
 
 @attrs.define(eq=False)
@@ -117,3 +125,24 @@ class TrackedStream(trio.abc.Stream):
 
     async def aclose(self) -> None:
         await self._stream.aclose()
+
+
+async def connect_downstream(config: StageConfig) -> FrameStream:
+    """Open a lane's hop to the next stage, with the stage's secret and deadlines, retrying
+    while the next stage is still starting."""
+    assert config.downstream is not None
+    deadline = trio.current_time() + config.downstream_retry_window
+    while True:
+        try:
+            return await open_connection(
+                config.downstream,
+                role=_proto.Role.LANE,
+                connect_timeout=config.downstream_connect_timeout,
+                ready_timeout=config.downstream_ready_timeout,
+                link=config.link,
+                secret=config.resolve_secret(),
+            )
+        except LaneHandshakeError:
+            if trio.current_time() >= deadline:
+                raise
+            await trio.sleep(0.1)

@@ -12,12 +12,14 @@ from __future__ import annotations
 from typing import Protocol
 
 from .._engine import StageEngine
+from .._engine._config import StageConfig
 from .._proto import ActivationDType
 from .._wire._framed import FrameStream, LinkEmulation
 from ..abc import ComputeBackend
 
 
 class StageContext(Protocol):
+    config: StageConfig  # every setting of the stage (its downstream dial's among them)
     index: int
     backend: ComputeBackend
     engine: StageEngine  # the stage's compute, prefix cache, session budget, stale counters

@@ -32,32 +32,22 @@ import collections
 import functools
 import logging
 import math
+from typing import Any
 
 import trio
 
 from .. import _proto, plugins
-from .._decide._ticks import DEFAULT_TICK_ROWS
-from .._engine import (
-    DEFAULT_MAX_KV_TOKENS,
-    DEFAULT_MAX_SESSIONS,
-    PrefixCache,
-    SessionBudget,
-    StageEngine,
-    TickScheduler,
-)
-from .._engine._prefix import DEFAULT_PREFIX_CACHE_MB
-from .._errors import LaneError, LaneHandshakeError, StageError
+from .._engine import PrefixCache, SessionBudget, StageEngine, TickScheduler
+from .._engine._config import DEFAULT_IDLE_TIMEOUT as DEFAULT_IDLE_TIMEOUT
+from .._engine._config import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
+from .._engine._config import DEFAULT_MAX_HANDSHAKES as DEFAULT_MAX_HANDSHAKES
+from .._engine._config import StageConfig
+from .._errors import LaneError, LaneHandshakeError, ProtocolError, StageError
 from .._util import FD_RESERVE, raise_open_file_limit
 from .._wire._address import parse_address
-from .._wire._auth import SECRET_FILE_ENV, is_loopback, lane_secret
-from .._wire._connect import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
-from .._wire._framed import (
-    DEFAULT_HANDSHAKE_TIMEOUT,
-    NO_EMULATION,
-    FrameStream,
-    LinkEmulation,
-    server_handshake,
-)
+from .._wire._auth import SECRET_FILE_ENV, is_loopback
+from .._wire._connect import alternatives
+from .._wire._framed import FrameStream, server_handshake
 from ..abc import ComputeBackend
 from ..model import ModelFile
 from ..transports._websocket import parse_ws_address
@@ -67,10 +57,6 @@ from ._worker import LaneWorker
 log = logging.getLogger("stagerun.stage")
 
 SINK_WAIT_SECONDS = 5.0
-# What peers may hold of one stage (see "Connection limits" above).
-DEFAULT_MAX_CONNECTIONS = 1024  # far above an honest pipeline's lanes, standbys and probes
-DEFAULT_MAX_HANDSHAKES = 64  # honest peers take a round trip or two; pools connect one by one
-DEFAULT_IDLE_TIMEOUT = 600.0  # stage 0 replaces idle lanes found closed: minutes cost nothing
 PRESSURE_LOG_SECONDS = 10.0  # one warning this often at most about connections closed for room
 PLAIN_SCHEMES = ("tcp", "ws")  # transports whose frames cross the network unprotected
 
@@ -80,101 +66,49 @@ class StageServer:
 
     Args:
         backend: the compute backend for this stage's layers.
-        index: this stage's position in the pipeline (0 is the driver, so servers are >= 1).
-        downstream: address of the next stage, or None on the last stage; several addresses
-            separated by commas are the next stage and its standbys, tried in order.
-        wire_dtype: activation dtype used when forwarding downstream.
-        handshake_timeout: seconds a connecting peer has to send its hello (and, with a lane
-            secret, its nonce and proof); a peer that stalls is dropped after that.
-        max_batch: sessions one tick computes together at most (1: no batching).
-        tick_rows: rows one tick computes at most (a larger forward runs alone).
-        max_sessions: requests open at once on this stage, over all its lanes; a
-            ``Configure`` past it is answered with an ``Error``.
-        max_kv_tokens: KV positions the caches of all those requests may reach together; a
-            compute past it is answered with an ``Error``.
-        max_connections: connections open at once, at most (lowered at start to what the
-            open-file limit leaves room for); one more closes the one quiet longest.
-        max_handshakes: connections in their handshake at once, at most; one more closes the
-            oldest of them.
-        idle_timeout: seconds a connection may carry no byte either way before the stage
-            closes it (``math.inf``: never).
-        max_payload_bytes: the largest activation payload one frame from an upstream lane may
-            carry (`stagerun._proto.DEFAULT_MAX_PAYLOAD_BYTES` by default); ``stagerun stage``
-            gives what the model's longest message needs, context x width in float32.
-        prefix_cache_bytes: what this stage's prefix cache may hold (0: no prefix cache). It
-            also holds KV positions of ``max_kv_tokens``, which requests take back when they
-            need them. A backend without `ComputeBackend.export_kv` keeps none.
+        config: every setting of the stage (`stagerun._engine.StageConfig`, which documents
+            them); it must suit ``backend`` (a downstream unless it holds the last layer).
+        settings: `StageConfig` fields by name, in place of ``config`` or replacing some of
+            its settings: ``StageServer(backend, index=1, max_sessions=3)``.
+
+    Raises:
+        ValueError: a setting is out of range, or contradicts the backend.
     """
 
     def __init__(
-        self,
-        backend: ComputeBackend,
-        *,
-        index: int,
-        downstream: str | None = None,
-        wire_dtype: _proto.ActivationDType = "f32",
-        link: LinkEmulation = NO_EMULATION,
-        secret: bytes | EnvSecret | None = ENV_SECRET,
-        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-        max_batch: int | None = None,
-        tick_rows: int = DEFAULT_TICK_ROWS,
-        max_sessions: int = DEFAULT_MAX_SESSIONS,
-        max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-        max_connections: int = DEFAULT_MAX_CONNECTIONS,
-        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
-        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-        max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
-        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
+        self, backend: ComputeBackend, config: StageConfig | None = None, **settings: Any
     ) -> None:
-        if not (0 < handshake_timeout < math.inf):
-            raise ValueError(
-                f"handshake_timeout must be a positive number of seconds, got {handshake_timeout}"
-            )
-        if max_connections < 1 or max_handshakes < 1:
-            raise ValueError(
-                f"max_connections and max_handshakes must be at least 1, got "
-                f"{max_connections} and {max_handshakes}"
-            )
-        if not idle_timeout > 0:
-            raise ValueError(
-                f"idle_timeout must be a positive number of seconds, got {idle_timeout}"
-            )
-        if downstream is None and not backend.is_last:
-            lo, hi = backend.layers
-            raise ValueError(
-                f"stage {index} holds layers {lo}..{hi} but has no downstream stage; "
-                "give it --downstream or let it hold the model's last layer"
-            )
-        if downstream is not None and backend.is_last:
-            raise ValueError(f"stage {index} holds the model's last layer but has a downstream")
+        config = StageConfig.from_settings(config, settings)
+        config.check_backend(backend.layers, backend.is_last)
+        self.config = config
         self.backend = backend
-        self.index = index
-        self.downstream = downstream
-        self.is_last = downstream is None
-        self.wire_dtype = wire_dtype
-        self.link = link
-        self.secret = lane_secret() if isinstance(secret, EnvSecret) else secret
-        self.handshake_timeout = handshake_timeout
+        self.index = config.index
+        self.downstream = config.downstream
+        self.is_last = config.downstream is None
+        self.wire_dtype = config.wire_dtype
+        self.link = config.link
+        self.secret = config.resolve_secret()
+        self.handshake_timeout = config.handshake_timeout
         self.address: str | None = None
-        self.reply_timeout = stage_reply_timeout()
+        self.reply_timeout = config.reply_timeout
         self.engine = StageEngine(
             backend,
-            index=index,
-            max_batch=max_batch,
-            tick_rows=tick_rows,
-            max_sessions=max_sessions,
-            max_kv_tokens=max_kv_tokens,
-            prefix_cache_bytes=prefix_cache_bytes,
+            index=config.index,
+            max_batch=config.max_batch,
+            tick_rows=config.tick_rows,
+            max_sessions=config.max_sessions,
+            max_kv_tokens=config.max_kv_tokens,
+            prefix_cache_bytes=config.prefix_cache_bytes,
         )
         self.refused = 0  # connections turned down in the handshake
         self.protocol_errors = 0  # lanes closed for a malformed frame
-        self.max_connections = max_connections  # as asked; `connection_limit` is what holds
-        self.idle_timeout = idle_timeout
-        self.max_payload_bytes = max_payload_bytes
+        self.max_connections = config.max_connections  # as asked; `connection_limit` holds
+        self.idle_timeout = config.idle_timeout
+        self.max_payload_bytes = config.max_payload_bytes
         self.turned_away = 0  # connections closed to stay within the limits
         self.idled_out = 0  # connections closed after idle_timeout without a byte
         self._connections = ConnectionTable(
-            max_connections=max_connections, max_handshakes=max_handshakes
+            max_connections=config.max_connections, max_handshakes=config.max_handshakes
         )
         self._turned_away_unlogged = 0
         self._pressure_logged_at = -math.inf
@@ -243,14 +177,16 @@ class StageServer:
 
     async def serve(
         self,
-        address: str = "tcp://127.0.0.1:0",
+        address: str | None = None,
         *,
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen on ``address`` and serve until cancelled; reports the bound address.
+        """Listen on ``address`` (default: the configuration's ``listen``) and serve until
+        cancelled; reports the bound address.
 
         The address's scheme picks the transport plugin (``tcp://``, ``ws://``, ...).
         """
+        address = self.config.listen if address is None else address
         if self.downstream is not None:  # fail early on an address nobody serves
             for candidate in alternatives(self.downstream):
                 plugins.transport_for(candidate)
@@ -372,11 +308,18 @@ class StageServer:
         worker = LaneWorker(self, framed)
         self._workers.add(worker)
         try:
-            await worker.run()  # a lane whose connections failed ends quietly (it logs why)
-        except Exception:
-            # A bug in one lane must not take the stage down: that lane is closed (its
-            # chain collapses and stage 0 replaces it); the other lanes carry on.
-            log.exception("stage %d: lane from %s failed", self.index, framed.peer)
+            await worker.run()
+        except Exception as exc:
+            ended = _lane_errors(exc)
+            if ended is None:
+                # A bug in one lane must not take the stage down: that lane is closed (its
+                # chain collapses and stage 0 replaces it); the other lanes carry on.
+                log.exception("stage %d: lane from %s failed", self.index, framed.peer)
+                return
+            # The lane's connections failed (several tasks may see it): not a bug.
+            self.protocol_errors += sum(isinstance(e.__cause__, ProtocolError) for e in ended)
+            reasons = "; ".join(dict.fromkeys(str(e) for e in ended))
+            log.info("stage %d: lane from %s ended: %s", self.index, framed.peer, reasons)
         finally:
             self._workers.discard(worker)
 
@@ -437,6 +380,22 @@ def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
         )
 
 
+def _lane_errors(exc: Exception) -> list[LaneError] | None:
+    """The `LaneError` ``exc`` is, or every leaf of its group if all are; else None."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return [exc] if isinstance(exc, LaneError) else None
+    found: list[LaneError] = []
+
+    def lane_error(leaf: BaseException) -> bool:
+        if isinstance(leaf, LaneError):
+            found.append(leaf)  # split visits the leaves in order
+            return True
+        return False
+
+    _, rest = exc.split(lane_error)
+    return found if rest is None else None
+
+
 def payload_limit(model: ModelFile) -> int:
     """The largest activation payload an honest upstream sends a stage of ``model``.
 
@@ -449,44 +408,15 @@ def payload_limit(model: ModelFile) -> int:
 
 async def serve_stage(
     backend: ComputeBackend,
+    config: StageConfig | None = None,
     *,
-    index: int,
-    downstream: str | None = None,
-    listen: str = "tcp://127.0.0.1:0",
-    wire_dtype: _proto.ActivationDType = "f32",
-    link: LinkEmulation = NO_EMULATION,
-    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-    max_batch: int | None = None,
-    max_sessions: int = DEFAULT_MAX_SESSIONS,
-    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
-    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-    max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
-    prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    **settings: Any,
 ) -> None:
-    """Serve one stage on ``listen`` until cancelled.
+    """Serve one stage on its configuration's ``listen`` address until cancelled.
 
-    ``await nursery.start(serve_stage, ...)`` gives the address it really listens on.
-    ``handshake_timeout``, ``max_batch``, ``max_sessions``, ``max_kv_tokens``,
-    ``max_connections``, ``max_handshakes``, ``idle_timeout``, ``max_payload_bytes`` and
-    ``prefix_cache_bytes`` are `StageServer`'s.
+    ``await nursery.start(serve_stage, backend, config)`` gives the address it really
+    listens on. ``config`` and ``settings`` are `StageServer`'s.
     """
-    server = StageServer(
-        backend,
-        index=index,
-        downstream=downstream,
-        wire_dtype=wire_dtype,
-        link=link,
-        handshake_timeout=handshake_timeout,
-        max_batch=max_batch,
-        max_sessions=max_sessions,
-        max_kv_tokens=max_kv_tokens,
-        max_connections=max_connections,
-        max_handshakes=max_handshakes,
-        idle_timeout=idle_timeout,
-        max_payload_bytes=max_payload_bytes,
-        prefix_cache_bytes=prefix_cache_bytes,
-    )
-    await server.serve(listen, task_status=task_status)
+    server = StageServer(backend, config, **settings)
+    await server.serve(task_status=task_status)

@@ -45,14 +45,13 @@ from .._engine._session import compute_attributes, us_since
 from .._errors import (
     ComputeCancelled,
     LaneError,
-    LaneHandshakeError,
     ProtocolError,
     StageError,
     StagerunError,
 )
-from .._wire._connect import open_connection
-from .._wire._framed import FrameStream, LinkEmulation
+from .._wire._framed import FrameStream
 from ..telemetry import Telemetry, now_ns
+from ._connections import connect_downstream
 from ._context import StageContext
 from ._queue import MAX_QUEUED_BYTES, MAX_QUEUED_FRAMES, FrameQueue
 
@@ -60,7 +59,6 @@ __all__ = ["LaneWorker"]
 
 log = logging.getLogger("stagerun.stage")
 
-DOWNSTREAM_CONNECT_SECONDS = 30.0
 MAX_SESSIONS_PER_LANE = 4  # stage 0 runs one request per lane; a little slack, never more
 
 
@@ -203,7 +201,7 @@ class LaneWorker:
             self.down = None
         if self.down is None:
             assert self.server.downstream is not None
-            self.down = await _connect_with_retry(self.server.downstream, self.server.link)
+            self.down = await connect_downstream(self.server.config)
             assert self._nursery is not None
             self._nursery.start_soon(self._relay_acks, self.down)
         return self.down
@@ -491,21 +489,3 @@ class LaneWorker:
         log.warning("stage %d: %s", self.server.index, text)
         target = self.up if upstream or self.sink is None else self.sink
         await target.send(error, timeout=self.server.reply_timeout)
-
-
-async def _connect_with_retry(address: str, link: LinkEmulation) -> FrameStream:
-    """Open the downstream hop, retrying while the next stage is still starting."""
-    deadline = trio.current_time() + DOWNSTREAM_CONNECT_SECONDS
-    while True:
-        try:
-            return await open_connection(
-                address,
-                role=_proto.Role.LANE,
-                connect_timeout=2.0,
-                ready_timeout=10.0,
-                link=link,
-            )
-        except LaneHandshakeError:
-            if trio.current_time() >= deadline:
-                raise
-            await trio.sleep(0.1)

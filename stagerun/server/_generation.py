@@ -150,7 +150,7 @@ class GenerationResponse(Response):
         # `RequestContext` starts the request's clock when the request arrives.
         deadline = scope.get("stagerun.deadline")
         if not isinstance(deadline, float):
-            deadline = trio.current_time() + self.state.request_timeout
+            deadline = trio.current_time() + self.state.http.request_timeout
         self._deadline = deadline
         outbox, inbox = trio.open_memory_channel[Message](0)
         try:
@@ -174,7 +174,7 @@ class GenerationResponse(Response):
     async def _deliver(self, message: Message) -> None:
         """Hand ``message`` to the writer, waiting at most the write timeout for it."""
         assert self._outbox is not None
-        timeout = self.state.write_timeout
+        timeout = self.state.http.write_timeout
         try:
             with trio.fail_after(timeout):
                 await self._outbox.send(message)
@@ -225,7 +225,7 @@ class GenerationResponse(Response):
                 raise
             except Exception as exc:
                 return api_error_from(exc)
-        timeout = self.state.request_timeout
+        timeout = self.state.http.request_timeout
         log.warning("request %s ran past the request timeout (%g s)", self.label, timeout)
         return ApiError(
             504,

@@ -180,6 +180,30 @@ def parse_generation_request(
         prompt = _prompt(_required(data, "prompt"), context_length)
         max_tokens = _optional_int(data, "max_tokens", minimum=1)
         _refuse_unsupported(data, _UNSUPPORTED_IN_COMPLETIONS)
+    _refuse_what_cannot_be_done(data)
+    temperature, top_p, top_k = _sampling(data)
+    seed = _optional_int(data, "seed")
+    stream = _optional_bool(data, "stream")
+    include_usage = _include_usage(data, bool(stream))
+    return GenerationRequest(
+        kind=kind,
+        model=model,
+        prompt=prompt,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=None if seed is None else seed % _SEED_MODULUS,
+        stop=_stop(data.get("stop")),
+        stream=bool(stream),
+        include_usage=include_usage,
+        cache_salt=_cache_salt(data.get("cache_salt")),
+    )
+
+
+def _refuse_what_cannot_be_done(data: Mapping[str, Any]) -> None:
+    """Refuse, by name, the fields that ask for something stagerun cannot do."""
     n = _optional_int(data, "n", minimum=1)
     if n not in (None, 1):
         raise invalid(f"only n=1 is supported, got n={n}: send one request per choice", "n")
@@ -192,6 +216,9 @@ def parse_generation_request(
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise invalid("only response_format {'type': 'text'} is supported", "response_format")
 
+
+def _sampling(data: Mapping[str, Any]) -> tuple[float, float, int]:
+    """The request's temperature, top_p and top_k (defaults 1, 1 and 0: every token)."""
     temperature = _optional_number(data, "temperature")
     if temperature is not None and not (
         temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE
@@ -210,35 +237,25 @@ def parse_generation_request(
             f"'top_k' must be at most {MAX_TOP_K}, got {top_k}: send 0 to keep every token",
             "top_k",
         )
-    seed = _optional_int(data, "seed")
-    stream = _optional_bool(data, "stream")
-    include_usage = False
-    options = data.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise invalid(
-                "'stream_options' is only allowed when 'stream' is true", "stream_options"
-            )
-        if not isinstance(options, dict):
-            raise invalid(
-                f"'stream_options' must be an object, not {_json_type(options)}", "stream_options"
-            )
-        include_usage = bool(_optional_bool(options, "include_usage", "stream_options."))
-    return GenerationRequest(
-        kind=kind,
-        model=model,
-        prompt=prompt,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=top_k or 0,
-        seed=None if seed is None else seed % _SEED_MODULUS,
-        stop=_stop(data.get("stop")),
-        stream=bool(stream),
-        include_usage=include_usage,
-        cache_salt=_cache_salt(data.get("cache_salt")),
+    return (
+        1.0 if temperature is None else temperature,
+        1.0 if top_p is None else top_p,
+        top_k or 0,
     )
+
+
+def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:
+    """``stream_options.include_usage``: a streamed answer ends with a usage chunk."""
+    options = data.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(options, dict):
+        raise invalid(
+            f"'stream_options' must be an object, not {_json_type(options)}", "stream_options"
+        )
+    return bool(_optional_bool(options, "include_usage", "stream_options."))
 
 
 MAX_CACHE_SALT = 256

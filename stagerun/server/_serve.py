@@ -40,17 +40,9 @@ from .._launch import open_pipeline
 from .._util import FD_RESERVE, raise_open_file_limit, single_exceptions
 from .._wire._auth import is_loopback, read_private_file
 from ._app import create_app
+from ._config import DEFAULT_MAX_BATCH, HttpConfig
+from ._hosts import AllowedHosts
 from ._http import ConnectionLimit, serve_http
-from ._state import (
-    DEFAULT_BODY_TIMEOUT,
-    DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_QUEUE,
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_REQUEST_TIMEOUT,
-    DEFAULT_WRITE_TIMEOUT,
-    MAX_TOKENS_LIMIT,
-    AllowedHosts,
-)
 
 API_KEY_ENV = "STAGERUN_API_KEY"
 API_KEY_FILE_ENV = "STAGERUN_API_KEY_FILE"
@@ -73,8 +65,9 @@ class ServeError(StagerunError):
 
 
 @attrs.frozen(kw_only=True)
-class ServeOptions:
-    """What ``stagerun serve`` was asked to do: a pipeline, and the HTTP server in front of it.
+class ServeOptions(HttpConfig):
+    """What ``stagerun serve`` was asked to do: a pipeline, and the HTTP server in front of it
+    (every `HttpConfig` setting, checked there).
 
     ``max_batch`` requests generate at once (the pipeline's lane ``capacity`` is raised to it
     if smaller, so each finds a lane), within ``kv_budget`` bytes of reserved KV cache (None:
@@ -86,20 +79,12 @@ class ServeOptions:
         factory=lambda: PipelineConfig(stages=3, mode="processes", capacity=DEFAULT_MAX_BATCH)
     )
     topology: str | None = None  # where the pipeline's layers and addresses came from
-    host: str = "127.0.0.1"
-    port: int = 8000
     max_batch: int = DEFAULT_MAX_BATCH
-    kv_budget: int | None = None
-    max_queue: int = DEFAULT_MAX_QUEUE
-    api_key: str | None = None
-    api_key_file: str | None = None
-    max_tokens_default: int = DEFAULT_MAX_TOKENS
-    max_tokens_limit: int = MAX_TOKENS_LIMIT
-    allowed_hosts: tuple[str, ...] = ()  # beyond the bound address and the loopback names
-    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
-    write_timeout: float = DEFAULT_WRITE_TIMEOUT
-    body_timeout: float = DEFAULT_BODY_TIMEOUT
-    max_connections: int | None = None  # None: from the open-file limit (`max_connections`)
+
+    @property
+    def http(self) -> HttpConfig:
+        """The HTTP server's settings alone."""
+        return HttpConfig(**{f.name: getattr(self, f.name) for f in attrs.fields(HttpConfig)})
 
 
 def served_model_id(model: str) -> str:
@@ -144,18 +129,10 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
             async with open_pipeline(model, wanted) as pipeline:
                 app: Any = create_app(
                     pipeline,
+                    options.http.replace(api_key=api_key, api_key_file=None),
                     model_id=served_model_id(model),
                     model_aliases={model, pipeline.config.name, Path(model).name},
-                    max_batch=options.max_batch,
-                    max_queue=options.max_queue,
-                    kv_budget=options.kv_budget,
-                    api_key=api_key,
-                    max_tokens_default=options.max_tokens_default,
-                    max_tokens_limit=options.max_tokens_limit,
                     allowed_hosts=hosts,
-                    request_timeout=options.request_timeout,
-                    write_timeout=options.write_timeout,
-                    body_timeout=options.body_timeout,
                 )
                 async with trio.open_nursery() as http:
                     where = await _listen(http, app, options, connections, state.stopping)
@@ -172,23 +149,9 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
 
 
 def _checked(options: ServeOptions) -> tuple[str, PipelineConfig, str | None]:
-    """The model, the pipeline to start and the API key, once the options are checked."""
+    """The model, the pipeline to start and the API key, once the options are checked (the
+    HTTP settings checked themselves, as `HttpConfig`)."""
     wanted = options.pipeline
-    if options.max_batch < 1:
-        raise ValueError(f"--max-batch must be at least 1, got {options.max_batch}")
-    if options.kv_budget is not None and options.kv_budget < 1:
-        raise ValueError(f"--kv-budget must be at least 1 byte, got {options.kv_budget}")
-    if options.max_queue < 0:
-        raise ValueError(f"--max-queue must be 0 or more, got {options.max_queue}")
-    for flag, seconds in (
-        ("--request-timeout", options.request_timeout),
-        ("--write-timeout", options.write_timeout),
-        ("--body-timeout", options.body_timeout),
-    ):
-        if not seconds > 0:
-            raise ValueError(f"{flag} must be more than 0 seconds, got {seconds:g}")
-    if options.max_connections is not None and options.max_connections < 1:
-        raise ValueError(f"--max-connections must be at least 1, got {options.max_connections}")
     if wanted.capacity < options.max_batch:
         wanted = wanted.replace(capacity=options.max_batch)  # a lane for every running request
     model = options.model
@@ -198,11 +161,6 @@ def _checked(options: ServeOptions) -> tuple[str, PipelineConfig, str | None]:
     if wanted.layers is None and wanted.stages < 1:
         raise ValueError(f"--stages must be at least 1, got {wanted.stages}")
     api_key = resolve_api_key(options.api_key, options.host, key_file=options.api_key_file)
-    if not 1 <= options.max_tokens_default <= options.max_tokens_limit:
-        raise ValueError(
-            f"--max-tokens-default ({options.max_tokens_default}) must be between 1 and "
-            f"--max-tokens-limit ({options.max_tokens_limit})"
-        )
     if wanted.threads is None and wanted.mode == "processes" and wanted.remote is None:
         stages = len(wanted.layers) if wanted.layers is not None else wanted.stages
         wanted = wanted.replace(threads=default_threads(stages))

@@ -1,0 +1,193 @@
+"""``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
+
+A completion handler parses and checks the request (pure code in `._openai`), tokenizes the
+prompt, asks `Admission` for a ticket that reserves the KV cache the request can grow to (400
+when it could never fit ``--kv-budget``, 429 when the line is full) and returns a
+`GenerationResponse` that does the rest.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from .._proto import SamplingParams
+from ._admission import Ticket, prompt_char_limit
+from ._config import DEFAULT_COMPLETION_MAX_TOKENS
+from ._generation import GenerationResponse
+from ._openai import (
+    ApiError,
+    GenerationRequest,
+    Kind,
+    parse_generation_request,
+    parse_json_body,
+    too_long,
+)
+from ._responses import ResponseShape
+from ._state import ServerState, server_state
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = ApiError(
+        413,
+        f"the request body is larger than {limit} bytes; shorten the prompt",
+        code="request_too_large",
+    )
+    length = request.headers.get("content-length", "")
+    # str.isdigit takes '²', which int() refuses; 20 digits or more is beyond any limit
+    if length.isascii() and length.isdigit() and (len(length) >= 20 or int(length) > limit):
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody to answer: no traceback in the log for a client's leaving
+        raise ApiError(400, "the client left before its request body ended") from None
+    return b"".join(chunks)
+
+
+async def models(request: Request) -> Response:
+    state = server_state(request)
+    entry = {
+        "id": state.model_id,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "stagerun",
+        "context_length": state.pipeline.config.context_length,
+    }
+    return JSONResponse({"object": "list", "data": [entry]})
+
+
+async def completions(request: Request) -> Response:
+    return await _generation(request, "completion")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generation(request, "chat")
+
+
+async def _prompt_ids(state: ServerState, req: GenerationRequest) -> tuple[list[int], str]:
+    """The prompt's token ids, and the request field they came from.
+
+    Token ids are checked against the vocabulary here. Text is bounded by characters first
+    (`prompt_char_limit`: a longer one could never fit the context), then rendered (a chat) and
+    tokenized in a tokenizer thread (`Admission.tokenize`, 429 when its line is full), so
+    neither a long prompt nor a slow chat template holds up the event loop.
+    """
+    pipeline = state.pipeline
+    prompt = req.prompt
+    if isinstance(prompt, tuple):
+        vocab = pipeline.config.vocab_size
+        for i, token in enumerate(prompt):
+            if token >= vocab:
+                raise ApiError(
+                    400,
+                    f"token id {token} at prompt[{i}] is outside the vocabulary (0..{vocab - 1})",
+                    param="prompt",
+                )
+        return list(prompt), "prompt"
+    context = pipeline.config.context_length
+    limit = prompt_char_limit(pipeline.tokenizer, context)
+    param = "messages" if req.kind == "chat" else "prompt"
+
+    def bounded(text: str) -> str:
+        if len(text) > limit:
+            why = f", which no text over {limit} characters fits"
+            raise too_long(len(text), "characters", context, param, why)
+        return text
+
+    def tokenize() -> list[int]:  # in a worker thread
+        if req.kind == "completion":
+            return pipeline.encode_prompt(prompt)
+        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        # ModelFile.apply_chat_template's two steps, with the bound between them
+        text = bounded(pipeline.render_chat(messages))
+        return pipeline.tokenizer.encode(text, special=True, add_bos=False)
+
+    if req.kind == "completion":
+        bounded(prompt)
+    try:
+        ids = await state.admission.tokenize(tokenize)
+    except ValueError as exc:  # a chat template that refuses the messages
+        raise ApiError(400, str(exc), param="messages") from exc
+    if ids is None:
+        raise ApiError(
+            429,
+            f"the server is busy ({state.admission.tokenizing} prompts being tokenized); "
+            "retry after a second",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        )
+    return ids, param
+
+
+async def _generation(request: Request, kind: Kind) -> Response:
+    state = server_state(request)
+    body = await _read_body(request, state.http.max_body_bytes)
+    context = state.pipeline.config.context_length
+    req = parse_generation_request(parse_json_body(body), kind, context_length=context)
+    state.check_model(req.model)
+    prompt_ids, param = await _prompt_ids(state, req)
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty after tokenization: give some text", param=param)
+    if len(prompt_ids) >= context:
+        raise too_long(len(prompt_ids), "tokens", context, param)
+    room = min(context - len(prompt_ids), state.http.max_tokens_limit)
+    if req.max_tokens is not None:
+        max_tokens = min(req.max_tokens, room)
+    elif kind == "completion":
+        max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    else:
+        max_tokens = min(state.http.max_tokens_default, room)
+    sampling = SamplingParams(
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        seed=secrets.randbits(63) if req.seed is None else req.seed,
+    )
+    ticket = _admit(state, len(prompt_ids), max_tokens)
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    shape = ResponseShape(req, prefix + secrets.token_hex(12), req.model)
+    return GenerationResponse(
+        state,
+        shape,
+        prompt_ids,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        ticket=ticket,
+        label=request.scope.get("stagerun.request_id"),
+    )
+
+
+def _admit(state: ServerState, prompt_tokens: int, max_tokens: int) -> Ticket:
+    """A ticket reserving the KV cache of (prompt + max_tokens) tokens, or the refusal."""
+    adm = state.admission
+    tokens = prompt_tokens + max_tokens
+    reserve = tokens * state.kv_bytes_per_token
+    if adm.never_fits(reserve):
+        fits = (adm.kv_budget or 0) // max(state.kv_bytes_per_token, 1)
+        raise ApiError(
+            400,
+            f"the request needs KV cache for {tokens} tokens ({prompt_tokens} of prompt + "
+            f"max_tokens {max_tokens}, {reserve} bytes) but the server's --kv-budget "
+            f"({adm.kv_budget} bytes) holds {fits} tokens; shorten the prompt or max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    ticket = adm.try_admit(reserve)
+    if ticket is None:
+        raise ApiError(
+            429,
+            f"the server is busy ({adm.running} requests running, {adm.queued} waiting); "
+            "retry after a second",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        )
+    return ticket
