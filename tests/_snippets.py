@@ -291,7 +291,7 @@ class Session:
         log = self.folder / f"background-{len(self.background)}.log"
         with log.open("wb") as err:
             proc = subprocess.Popen(
-                cmd, cwd=self.folder, env=env, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                cmd, cwd=self.folder, env=env, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,  # noqa: E501
                 start_new_session=True,
             )  # fmt: skip
         self.background.append((command, proc, log))

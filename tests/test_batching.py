@@ -319,7 +319,7 @@ def _solo(session: Session) -> list[Any]:
         stop = Session.stop(s)  # polled by both stages: it can stop the window in either
         for k, (backend, cache) in enumerate(zip(session.backends, session.caches, strict=True)):
             item = ForwardItem(cache, position, logits=logits, should_stop=stop,
-                               **({"tokens": hidden} if k == 0 else {"hidden": hidden}))  # fmt: skip
+                               **({"tokens": hidden} if k == 0 else {"hidden": hidden}))  # fmt: skip  # noqa: E501
             (hidden,) = run_batch(backend, [item])
             if isinstance(hidden, ComputeCancelled):
                 break
@@ -340,7 +340,7 @@ async def _batched(sessions: list[Session]) -> None:
             stop = Session.stop(s)
             for k, (sched, cache) in enumerate(zip(schedulers, session.caches, strict=True)):
                 item = ForwardItem(cache, position, logits=logits, should_stop=stop,
-                                   **({"tokens": hidden} if k == 0 else {"hidden": hidden}))  # fmt: skip
+                                   **({"tokens": hidden} if k == 0 else {"hidden": hidden}))  # fmt: skip  # noqa: E501
                 try:
                     hidden = await sched.forward(item, prefill=s is None)
                 except ComputeCancelled:

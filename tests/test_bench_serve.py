@@ -176,7 +176,7 @@ def test_plot_scaling_draws_both_curves_into_a_png(tmp_path: pathlib.Path) -> No
             [1, 2, 4], rates, strict=True)]}  # fmt: skip
 
     report = {"model": "tiny", "stages": 3, "tokens": 8, "clients": [1, 2, 4],
-              "stagerun": curve([10.0, 18.0, 30.0]), "llama_server": curve([50.0, 90.0, 160.0])}  # fmt: skip
+              "stagerun": curve([10.0, 18.0, 30.0]), "llama_server": curve([50.0, 90.0, 160.0])}  # fmt: skip  # noqa: E501
     path = tmp_path / "scaling.png"
     plot_scaling(report, path)
     data = path.read_bytes()

@@ -10,8 +10,9 @@
   background until the block ends, `curl` talks to them, a topology file written by a heredoc
   joins them. The substitutions: free ports for the block's ports, the block's folder for
   ``/tmp/`` and ``/var/log/``, one round of 16 tokens for a benchmark, and the tiny test model
-  for the default one (a block that needs the real model is in `REAL_MODEL`). A command that cannot run here is in `NOT_RUN`, with the
-  reason; a command whose arguments include ``...`` is a placeholder and is not run either.
+  for the default one (a block that needs the real model is in `REAL_MODEL`). A command that
+  cannot run here is in `NOT_RUN`, with the reason; a command whose arguments include ``...``
+  is a placeholder and is not run either.
 * Every ``stagerun`` command, run or not (placeholders aside), is also parsed by the real
   command-line parser, so an option the docs name and the parser refuses fails at once.
 

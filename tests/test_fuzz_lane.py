@@ -596,7 +596,7 @@ async def test_one_lane_cannot_grow_the_stage_without_bound(
             await _until(lambda: len(client.returned) == cancels)
             client.returned.clear()  # what the client keeps is not the stage's
             grown = sum(
-                stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename")
+                stat.size_diff for stat in tracemalloc.take_snapshot().compare_to(before, "filename")  # noqa: E501
                 if "stagerun" in str(stat.traceback)
             )  # fmt: skip
         finally:

@@ -375,7 +375,7 @@ def test_unsupported_completion_parameters_are_refused(field: str, value: Any) -
         "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
         "{% endfor %}{{ ns.s | length }}",
         "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
-        "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+        "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",  # noqa: E501
     ],
 )
 def test_a_hostile_chat_template_fails_fast_and_cleanly(template: str) -> None:

@@ -254,7 +254,7 @@ def test_cli_generate_json(tiny: Path) -> None:
 
 def test_cli_reports_a_missing_model_in_one_line(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "stagerun", "generate", "--model", str(tmp_path / "nope.gguf"), "hi"],
+        [sys.executable, "-m", "stagerun", "generate", "--model", str(tmp_path / "nope.gguf"), "hi"],  # noqa: E501
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.returncode == 1

@@ -42,7 +42,7 @@ def two_stage_request(request_id: int = 7) -> list[Record]:
         span("stage.binary_llama_decode", 30, 40, request_id=r, stage_index=0, verify_window_id=2),
         span("stage.binary_request_summary", 5, 95, request_id=r, stage_index=1),
         span("stage.binary_llama_decode", 25, 35, request_id=r, stage_index=1, verify_window_id=1),
-        span("stage.binary_llama_decode", 45, 48, request_id=r, stage_index=1, compute_stopped=True),
+        span("stage.binary_llama_decode", 45, 48, request_id=r, stage_index=1, compute_stopped=True),  # noqa: E501
         span("stage.openai_decode_verify_window", 10, 50, request_id=r, verify_window_id=1,
              verify_window_stale=False, verify_window_cancelled=False),
         span("stage.openai_decode_verify_window", 30, 60, request_id=r, verify_window_id=2,
@@ -236,7 +236,7 @@ def test_bench_timeline_traces_every_stage_process_into_one_png(
     # an operator draws a request of their own trace the same way, running nothing
     redrawn = tmp_path / "redrawn.png"
     code = main(["bench", "timeline", "--from-trace", str(trace),
-                 "--request-id", str(report["request_id"]), "--png", str(redrawn), "--json"])  # fmt: skip
+                 "--request-id", str(report["request_id"]), "--png", str(redrawn), "--json"])  # fmt: skip  # noqa: E501
     assert code == 0
     again = json.loads(capsys.readouterr().out)
     assert again["per_stage_ms"] == report["per_stage_ms"] and again["tokens"] == 16

@@ -287,7 +287,7 @@ def test_the_pace_counts_only_tokens_committed_since_the_first_window(
     )
 
 
-# --- the start, and what stale windows cost ---------------------------------------------------------
+# --- the start, and what stale windows cost -------------------------------------------------------
 
 
 @pytest.mark.parametrize(

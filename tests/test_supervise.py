@@ -1,7 +1,8 @@
 """The supervisor's restart schedule: the pure decision, then the Trio driver on a fake clock.
 
 `SupervisionPolicy.restart_delay` decides how long to wait before a restart, and
-`SupervisionPolicy.gives_up` when to stop restarting; `StageProcess.run` carries them out. The driver runs here against a fake child (`FakeLauncher`, a stand-in for
+`SupervisionPolicy.gives_up` when to stop restarting; `StageProcess.run` carries them out. The
+driver runs here against a fake child (`FakeLauncher`, a stand-in for
 `trio.run_process`) under `autojump_clock`, so "10 s of backoff" takes no real time and every
 wait is measured exactly.
 """

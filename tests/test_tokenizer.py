@@ -115,7 +115,7 @@ def test_render_chatml() -> None:
     text = render_chat(CHATML_TEMPLATE, messages, bos_token="", eos_token="")
     assert (
         text
-        == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"  # noqa: E501
     )
     text = render_chat(
         CHATML_TEMPLATE, messages, add_generation_prompt=False, bos_token="", eos_token=""

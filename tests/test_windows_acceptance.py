@@ -149,7 +149,7 @@ def test_committed_tokens_are_always_the_targets_own(
         assert proposal[verdict.accepted] != tokens[-1]
 
 
-# --- the controller, scenario by scenario ---------------------------------------------------------------------------------
+# --- the controller, scenario by scenario ---------------------------------------------------------
 
 
 def _controller(depth: int = 2, width: int = 2, adaptive: bool = False) -> SpeculationController:

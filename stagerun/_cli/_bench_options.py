@@ -197,12 +197,12 @@ def _add_chat(bench_sub: _SubParsers) -> None:
     chat.add_argument("--stages", type=int, default=3, help="stages of each pipeline (default 3)")
     chat.add_argument("--hop-delay-ms", type=float, default=10.0)
     chat.add_argument("--clients", type=int, default=1,
-                      help="users chatting at once over the same system prompt (default 1)")  # fmt: skip
+                      help="users chatting at once over one system prompt (default 1)")  # fmt: skip
     chat.add_argument("--system-tokens", type=int, default=1000,
                       help="tokens of the shared system prompt (default 1000)")  # fmt: skip
     chat.add_argument("--max-tokens", type=int, default=32, help="tokens per answer at most")
     chat.add_argument("--stagger-ms", type=float, default=0.0, metavar="MS",
-                      help="user c sends its first turn c*MS later (default 0: all at once)")  # fmt: skip
+                      help="user c sends its first turn c*MS later (default 0)")  # fmt: skip
     chat.add_argument("--json", action="store_true")
     _add_pipeline_options(chat)
 

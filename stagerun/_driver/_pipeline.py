@@ -132,7 +132,10 @@ class Pipeline:
 
     def __repr__(self) -> str:
         layout = ",".join(f"{lo}-{hi}" for lo, hi in (s.layers for s in self.stages))
-        return f"<Pipeline model={self.config.name!r} stages={len(self.stages)} layers={layout} pool={self.pool!r}>"
+        return (
+            f"<Pipeline model={self.config.name!r} stages={len(self.stages)} layers={layout} "
+            f"pool={self.pool!r}>"
+        )
 
     @property
     def scheduler(self) -> TickScheduler:

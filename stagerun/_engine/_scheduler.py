@@ -42,7 +42,7 @@ RECENT_SECONDS = 1.0
 # are those that asked for a decode step or a verify window in the last GATHER_SEEN_SECONDS.
 GATHER_TICKS = 3.0
 GATHER_SEEN_SECONDS = 0.3
-TRIM_SECONDS = 2.0  # a tick's thread gives freed heap memory back at most this often  # the span over which `TickScheduler.recent_busy` measures the load
+TRIM_SECONDS = 2.0  # a tick's thread gives freed heap memory back at most this often
 
 
 @attrs.define

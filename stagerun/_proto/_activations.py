@@ -16,10 +16,11 @@ the decoder can check it before reading anything.
   ``max|x| / 127`` (1.0 for an all-zero row); each value is ``x / scale`` rounded half away
   from zero and clamped to [-127, 127]; decoding multiplies back, so every element is within
   half a scale step of the original (give or take float32's smallest normal number, 1.2e-38,
-  for a row so small that its scale is subnormal). Non-finite input cannot be scaled, so encoding it raises
-  ``ValueError`` instead of sending garbage. Decoding refuses (``ProtocolError``) a scale that
-  is not positive and finite, or so large that ``127 * scale`` would overflow, and the int8
-  value -128: so a decoded q8 matrix is always finite.
+  for a row so small that its scale is subnormal). Non-finite input cannot be scaled, so
+  encoding it raises ``ValueError`` instead of sending garbage. Decoding refuses
+  (``ProtocolError``) a scale that is not positive and finite, or so large that
+  ``127 * scale`` would overflow, and the int8 value -128: so a decoded q8 matrix is always
+  finite.
 
 Encoding errors are ``ValueError`` (the caller passed a bad array); decoding errors about the
 payload are ``ProtocolError`` (the peer sent bad bytes).

@@ -186,7 +186,7 @@ class Decode:
 
 @attrs.frozen
 class Verify:
-    """A speculative verify window: base token plus drafts at ``position``, tagged with its epoch."""
+    """A speculative verify window: base token and drafts at ``position``, tagged with its epoch."""
 
     kind: ClassVar[str] = "verify"
     request_id: int = attrs.field(validator=_ID)
@@ -413,7 +413,7 @@ _STRUCTURE: Final = {
 
 
 def unstructure_message(message: Message) -> dict[str, Any]:
-    """Return the wire fields of ``message`` (a msgpack-ready dict; its kind is ``message.kind``)."""
+    """The wire fields of ``message`` (a msgpack-ready dict; its kind is ``message.kind``)."""
     return cast(dict[str, Any], _UNSTRUCTURE[type(message)](message))
 
 

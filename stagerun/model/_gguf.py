@@ -11,7 +11,8 @@ on every array item, so a hostile 50-byte file announcing millions of them would
 and gigabytes. Nothing is dequantized then. ``ModelFile.load_weights(lo, hi, ...)``
 dequantizes only the tensors of one stage -- the blocks ``lo..hi-1``, plus the embeddings for
 the first stage and the output norm and head for the last -- into float32 ``(out, in)`` arrays,
-the orientation a PyTorch ``nn.Linear`` uses. A tied model (no ``output.weight``) reuses ``token_embd`` as the head.
+the orientation a PyTorch ``nn.Linear`` uses. A tied model (no ``output.weight``) reuses
+``token_embd`` as the head.
 """
 
 from __future__ import annotations

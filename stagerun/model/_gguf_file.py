@@ -60,9 +60,8 @@ class GgufReader(gguf.GGUFReader):
         if itype != gguf.GGUFValueType.STRING:
             return super()._get_field_parts(orig_offs, raw_type)
         data = memoryview(self.data)  # type: ignore[arg-type]
-        order: Literal["little", "big"] = (
-            sys.byteorder if self.byte_order == "I" else ("big" if sys.byteorder == "little" else "little")
-        )  # fmt: skip
+        swapped: Literal["little", "big"] = "big" if sys.byteorder == "little" else "little"
+        order: Literal["little", "big"] = sys.byteorder if self.byte_order == "I" else swapped
         parts: list[Any] = [raw_itype, count]
         for _ in range(n):
             size = int.from_bytes(data[offs : offs + 8], order)

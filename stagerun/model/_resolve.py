@@ -67,7 +67,7 @@ KNOWN_MODELS: tuple[KnownModel, ...] = (
 
 
 def model_cache_dir() -> pathlib.Path:
-    """Where chunked models are assembled: ``$STAGERUN_CACHE/models`` or ~/.cache/stagerun/models."""
+    """Where chunked models are assembled: ``$STAGERUN_CACHE/models`` (or under ~/.cache)."""
     root = os.environ.get("STAGERUN_CACHE") or os.path.join("~", ".cache", "stagerun")
     return pathlib.Path(root).expanduser() / "models"
 

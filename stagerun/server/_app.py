@@ -121,7 +121,8 @@ async def _http_error_response(request: Request, exc: Exception) -> Response:
         message = f"there is no {request.url.path}; see docs/api.md for the endpoints"
         body = error_envelope(message, code="not_found")
     elif exc.status_code == 405:
-        message = f"{request.method} is not allowed on {request.url.path}; use {exc.headers and exc.headers.get('Allow')}"
+        allowed = exc.headers and exc.headers.get("Allow")
+        message = f"{request.method} is not allowed on {request.url.path}; use {allowed}"
         body = error_envelope(message, code="method_not_allowed")
     else:
         body = error_envelope(str(exc.detail))

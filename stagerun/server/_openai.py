@@ -159,7 +159,7 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
 def parse_generation_request(
     data: Mapping[str, Any], kind: Kind, *, context_length: int | None = None
 ) -> GenerationRequest:
-    """Check a decoded body of ``/v1/completions`` (kind ``completion``) or ``/v1/chat/completions``.
+    """Check a decoded body of ``/v1/completions`` (``completion``) or ``/v1/chat/completions``.
 
     Args:
         context_length: the model's context, when known: a prompt of that many token ids, or

@@ -13,7 +13,8 @@ shapes), per kernel:
 * oneDNN bfloat16 (the int4 backend's output head): the same up to 32 rows, another kernel
   from 33 on, so calls are cut at 32 rows.
 * the int4 kernel (`Int4`): the same at every size measured; calls are cut at 128 rows.
-* ``F.linear`` (`Dense`: CUDA, or a CPU torch without oneDNN; MKL on the CPU): rows differ from 2 rows
+* ``F.linear`` (`Dense`: CUDA, or a CPU torch without oneDNN; MKL on the CPU): rows differ from
+  2 rows
   on; calls padded to one fixed shape agree, so every call is exactly 64 rows (zero rows
   added). On CUDA this is the standard remedy (cuBLAS also picks kernels by shape) but was
   not measured here.

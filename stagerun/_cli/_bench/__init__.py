@@ -5,7 +5,8 @@ open at the same time and measured in interleaved rounds, and the report gives r
 baseline measured in the same run. The median of the rounds is reported.
 
 One module per family: `._decode` (decode, transport, backends), `._speculative`
-(speculative, timeline), `._prefill` (prefill), `._chat` (chat), `._service` (recovery, load), `._serve`
+(speculative, timeline), `._prefill` (prefill), `._chat` (chat), `._service` (recovery, load),
+`._serve`
 (serve).
 """
 

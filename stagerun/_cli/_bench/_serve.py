@@ -318,8 +318,10 @@ async def _wait_healthy(proc: trio.Process, port: int, log: IO[bytes], what: str
         except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError):
             pass  # not listening yet, or still loading
         await trio.sleep(0.2)
-    raise StagerunError(f"{what} was not healthy on port {port} within "
-                        f"{_HEALTH_DEADLINE_S:.0f}s; its output ended with:\n{_tail(log)}")  # fmt: skip
+    raise StagerunError(
+        f"{what} was not healthy on port {port} within {_HEALTH_DEADLINE_S:.0f}s; "
+        f"its output ended with:\n{_tail(log)}"
+    )
 
 
 @asynccontextmanager

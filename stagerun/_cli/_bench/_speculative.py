@@ -1,4 +1,5 @@
-"""``stagerun bench``: speculative decoding against plain decoding over an emulated WAN, and one request traced stage by stage."""
+"""``stagerun bench``: speculative against plain decoding over an emulated WAN, and one request
+traced stage by stage."""
 
 from __future__ import annotations
 

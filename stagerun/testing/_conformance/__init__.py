@@ -18,8 +18,8 @@ Theory of operation: each suite runs a fixed list of named checks against the pl
 its public interface only (`stagerun.abc`), using stagerun's own frame codec and handshake
 where the runtime would. The first check that fails raises `AssertionError` whose message
 starts with the suite and the check's name (``check_transport: a 1 MiB frame, both ways at
-once: ...``) and says what was expected; an unexpected exception inside a check is reported the same way (chained), and
-so is a hang: every transport check runs under a deadline.
+once: ...``) and says what was expected; an unexpected exception inside a check is reported
+the same way (chained), and so is a hang: every transport check runs under a deadline.
 """
 
 from ._backend import check_backend as check_backend

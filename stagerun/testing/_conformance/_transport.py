@@ -114,8 +114,9 @@ class _TransportChecks:
             scheme, sep, _rest = bound.partition("://")
             if not sep or scheme not in self.transport.schemes:
                 check.fail(
-                    f"serve() reported {bound!r}, which is not a {'/'.join(self.transport.schemes)}:// "
-                    "address; report the address clients should dial"
+                    f"serve() reported {bound!r}, which is not a "
+                    f"{'/'.join(self.transport.schemes)}:// address; report the address clients "
+                    "should dial"
                 )
             if self.address.endswith(":0") and bound.endswith(":0"):
                 check.fail(f"serve() reported {bound!r}: report the port really bound, not 0")
