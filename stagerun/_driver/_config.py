@@ -341,6 +341,7 @@ def stage_config(
             threads=stage.threads,
             device=stage.device,
         )
+    max_sessions, max_kv_tokens = session_limits(config, context_length)
     return StageConfig(
         index=stage.index,
         compute=compute,
@@ -349,8 +350,8 @@ def stage_config(
         wire_dtype=config.wire_dtype,
         hop_delay_ms=config.hop_delay_ms,
         bandwidth_mbps=config.bandwidth_mbps,
-        max_sessions=session_limits(config, context_length)[0],
-        max_kv_tokens=session_limits(config, context_length)[1],
+        max_sessions=max_sessions,
+        max_kv_tokens=max_kv_tokens,
         max_payload_bytes=max_payload_bytes,
         prefix_cache_bytes=config.prefix_cache_bytes,
     )
