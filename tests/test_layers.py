@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("base", {"_errors", "_util", "_text", "_blas", "telemetry"}),
     ("wire format", {"_proto"}),
     ("decisions", {"_decide"}),
+    ("observations: every span and event", {"_spans"}),
     ("model and plugin registry", {"model", "plugins", "_plugin_checks"}),
     ("both ends of a lane", {"_wire"}),
     ("plugin interfaces", {"abc"}),

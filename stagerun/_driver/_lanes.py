@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from .. import _proto, telemetry
+from .. import _proto, _spans, telemetry
 from .._decide._prefill import PrefillTransportEstimate
 from .._errors import LaneBrokenError, LaneError, LaneTimeoutError, StageError
 from .._wire._connect import (
@@ -94,15 +94,7 @@ class Lane:
             return
         started = telemetry.now_ns()
         await self.forward.send(message, activations, dtype, timeout=self.reply_timeout)
-        attributes: dict[str, Any] = {
-            "llama_stage.stage_index": 0,
-            "llama_stage.request_id": getattr(message, "request_id", 0),
-            "llama_stage.forward_activation_bytes": int(activations.nbytes),
-            "llama_stage.elapsed_ms": (telemetry.now_ns() - started) / 1e6,
-        }
-        if isinstance(message, _proto.Verify):
-            attributes["llama_stage.verify_window_id"] = message.window_id
-        tel.debug_span("stage.binary_downstream_write", started, attributes)
+        _spans.activations_sent(message, int(activations.nbytes), started)
 
     async def request_ack(self, message: _proto.Message) -> _proto.Ack:
         """Send a message that the chain acknowledges, and wait for the merged ``Ack``."""
@@ -252,14 +244,7 @@ class LanePool:
         for _ in range(self.capacity):
             lane = await self.connect_lane(self.connect_timeout, self.ready_timeout)
             self._idle.append(lane)
-        telemetry.current().span(
-            "stage.openai_downstream_pool_ready",
-            started,
-            {
-                "llama_stage.openai_downstream_pool_capacity": self.capacity,
-                "llama_stage.elapsed_ms": (now_ns() - started) / 1e6,
-            },
-        )
+        _spans.pool_ready(self.capacity, started)
         log.debug("lane pool ready: %r", self)
 
     async def connect_lane(self, connect_timeout: float, ready_timeout: float) -> Lane:
@@ -268,15 +253,7 @@ class LanePool:
         self._next_id += 1
         started = now_ns()
         lane = await self._connect_lane(lane_id, connect_timeout, ready_timeout)
-        telemetry.current().span(
-            "stage.openai_downstream_persistent_connect",
-            started,
-            {
-                "llama_stage.openai_downstream_lane_id": lane_id,
-                "llama_stage.openai_downstream_pool_capacity": self.capacity,
-                "llama_stage.elapsed_ms": (now_ns() - started) / 1e6,
-            },
-        )
+        _spans.lane_connected(lane_id, self.capacity, started)
         return lane
 
     async def _connect_lane(
@@ -337,17 +314,7 @@ class LanePool:
             lane, reused = None, False
         if lane is None:
             lane = await self.connect_lane(self.steady_timeout, self.steady_timeout)
-        telemetry.current().span(
-            "stage.openai_downstream_connect",
-            started,
-            {
-                "llama_stage.openai_downstream_persistent": reused,
-                "llama_stage.openai_downstream_lane_id": lane.id,
-                "llama_stage.openai_downstream_pool_capacity": self.capacity,
-                "llama_stage.request_id": request_id,
-                "llama_stage.elapsed_ms": (now_ns() - started) / 1e6,
-            },
-        )
+        _spans.lane_checked_out(request_id, lane.id, self.capacity, started, reused=reused)
         self._busy += 1
         try:
             try:
@@ -359,14 +326,7 @@ class LanePool:
                 await lane.request_ack(_proto.Stop(request_id=request_id))
             except (LaneError, StageError) as exc:
                 log.info("lane %d failed to stop cleanly (%s); replacing it", lane.id, exc)
-                telemetry.current().event(
-                    "stage.openai_downstream_lane_return_failed",
-                    {
-                        "llama_stage.openai_downstream_lane_id": lane.id,
-                        "llama_stage.request_id": request_id,
-                        "llama_stage.error": type(exc).__name__,
-                    },
-                )
+                _spans.lane_return_failed(lane.id, request_id, exc)
                 await self._retire(lane)
             else:
                 self._idle.append(lane)
@@ -385,23 +345,11 @@ class LanePool:
         except LaneError as exc:
             self.replace_failures += 1
             log.warning("could not replace lane %d: %s", retired_lane_id, exc)
-            telemetry.current().event(
-                "stage.openai_downstream_lane_replace_failed",
-                {
-                    "llama_stage.openai_downstream_retired_lane_id": retired_lane_id,
-                    "llama_stage.error": type(exc).__name__,
-                },
-            )
+            _spans.lane_replace_failed(retired_lane_id, exc)
             return
         self.replaced += 1
         log.info("lane %d replaced by lane %d", retired_lane_id, lane.id)
-        telemetry.current().event(
-            "stage.openai_downstream_lane_replaced",
-            {
-                "llama_stage.openai_downstream_retired_lane_id": retired_lane_id,
-                "llama_stage.openai_downstream_lane_id": lane.id,
-            },
-        )
+        _spans.lane_replaced(retired_lane_id, lane.id)
         self._idle.append(lane)
 
     async def ensure_idle_lane(self) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .. import _proto, telemetry
+from .. import _proto, _spans, telemetry
 from .._decide._prefill import (
     ChunkPolicy,
     DownstreamPrefillReport,
@@ -188,8 +188,7 @@ async def send_prefill(
         planner.observe(chunk)
         report.add(len(piece), chunk)
         if tel.debug_enabled:
-            tel.debug_span(
-                "stage.openai_prefill_chunk",
+            _spans.prefill_chunk(
                 prefill_start + int((started - prefill_t0) * 1e9),
                 _chunk_attributes(request_id, report.chunks - 1, position, len(piece), chunk),
             )
@@ -197,10 +196,8 @@ async def send_prefill(
     acked = report.chunks - 1
     await sender.drain()
     report.finish(planner)
-    tel.span(
-        "stage.openai_prefill",
-        prefill_start,
-        _prefill_attributes(request_id, total - start, report, sender.down, prefill_start),
+    _spans.prefill_finished(
+        prefill_start, _prefill_attributes(request_id, total - start, report, sender.down)
     )
     if estimate is not None and acked:
         _observe_transport(estimate, report, sender.down, acked)
@@ -212,34 +209,29 @@ def _chunk_attributes(
 ) -> dict[str, Any]:
     """The attributes of one chunk's ``stage.openai_prefill_chunk`` debug span."""
     return {
-        "llama_stage.request_id": request_id,
-        "llama_stage.seq_id": index,
-        "llama_stage.pos_start": position,
-        "llama_stage.token_count": tokens,
-        "llama_stage.stage0_compute_ms": chunk.compute_ms,
-        "llama_stage.forward_write_ms": chunk.forward_write_ms,
-        "llama_stage.downstream_wait_ms": chunk.downstream_wait_ms,
+        "request_id": request_id,
+        "seq_id": index,
+        "pos_start": position,
+        "token_count": tokens,
+        "stage0_compute_ms": chunk.compute_ms,
+        "forward_write_ms": chunk.forward_write_ms,
+        "downstream_wait_ms": chunk.downstream_wait_ms,
     }
 
 
 def _prefill_attributes(
-    request_id: int,
-    total: int,
-    report: PrefillReport,
-    down: _proto.StageStats,
-    prefill_start: int,
+    request_id: int, total: int, report: PrefillReport, down: _proto.StageStats
 ) -> dict[str, Any]:
-    """The attributes of the whole prefill's ``stage.openai_prefill`` span, timed to now."""
+    """The attributes of the whole prefill's ``stage.openai_prefill`` span."""
     return {
-        "llama_stage.request_id": request_id,
-        "llama_stage.token_count": total,
-        "llama_stage.prefill_chunks": report.chunks,
-        "llama_stage.prefill_chunks_grew": report.grew,
-        "llama_stage.prefill_chunks_shrank": report.shrank,
-        "llama_stage.prefill_max_forward_write_ms": report.max_write_ms,
-        "llama_stage.prefill_max_downstream_wait_ms": report.max_wait_ms,
-        "llama_stage.downstream_compute_ms": down.compute_us / 1000.0,
-        "llama_stage.elapsed_ms": (telemetry.now_ns() - prefill_start) / 1e6,
+        "request_id": request_id,
+        "token_count": total,
+        "prefill_chunks": report.chunks,
+        "prefill_chunks_grew": report.grew,
+        "prefill_chunks_shrank": report.shrank,
+        "prefill_max_forward_write_ms": report.max_write_ms,
+        "prefill_max_downstream_wait_ms": report.max_wait_ms,
+        "downstream_compute_ms": down.compute_us / 1000.0,
     }
 
 

@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 import trio
 
-from .. import _proto, telemetry
+from .. import _proto, _spans, telemetry
 from .._decide import SpeculationTimings
 from .._decide._prefill import ChunkPolicy
 from .._engine import Session, StageEngine
@@ -289,19 +289,8 @@ class Request:
         while True:
             step_start = telemetry.now_ns() if tel.debug_enabled else 0
             token = await self.decode_step(route, token, position)
-            if tel.debug_enabled:
-                step = len(self.generated)
-                phase = "cold" if step == 1 else "warmup" if step < 8 else "steady"
-                tel.debug_span(
-                    "stage.openai_decode_token",
-                    step_start,
-                    {
-                        "llama_stage.request_id": self.request_id,
-                        "llama_stage.decode_step": step,
-                        "llama_stage.pos_start": position,
-                        "llama_stage.token_phase": phase,
-                    },
-                )
+            if step_start:
+                _spans.decode_token(self.request_id, len(self.generated), position, step_start)
             position += 1
             if token in self.eog:
                 return True
@@ -423,30 +412,18 @@ class Request:
         start_ns = telemetry.now_ns() - int((t_end - self.t_start) * 1e9)
         first_ns = start_ns + int((self.t_first - self.t_start) * 1e9)
         n = len(self.generated)
-        tel.span(
-            "stage.openai_decode",
-            first_ns,
-            {
-                "llama_stage.request_id": self.request_id,
-                "llama_stage.token_count": n,
-                "llama_stage.speculative": self.drafter is not None,
-                "llama_stage.elapsed_ms": timings.predicted_ms,
-            },
+        speculative = self.drafter is not None
+        _spans.decode_finished(
+            self.request_id, first_ns, n, speculative=speculative, elapsed_ms=timings.predicted_ms
         )
-        label = {"stagerun.request_label": self.label} if self.label is not None else {}
-        tel.span(
-            "stage.openai_generation_summary",
-            start_ns,
-            {
-                "llama_stage.request_id": self.request_id,
-                "llama_stage.prompt_token_count": len(self.prompt_ids),
-                "llama_stage.completion_token_count": n,
-                "llama_stage.prompt_ms": timings.prompt_ms,
-                "llama_stage.decode_ms": timings.predicted_ms,
-                "llama_stage.finish_reason": finish,
-                "llama_stage.recoveries": timings.recovery.recoveries,
-                "llama_stage.stages": len(self.pipeline.stages),
-                "llama_stage.elapsed_ms": (t_end - self.t_start) * 1000.0,
-                **label,
-            },
-        )
+        summary = {
+            "prompt_token_count": len(self.prompt_ids),
+            "completion_token_count": n,
+            "prompt_ms": timings.prompt_ms,
+            "decode_ms": timings.predicted_ms,
+            "finish_reason": finish,
+            "recoveries": timings.recovery.recoveries,
+            "stages": len(self.pipeline.stages),
+            "elapsed_ms": (t_end - self.t_start) * 1000.0,
+        }
+        _spans.generation_summary(self.request_id, start_ns, summary, self.label)

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import trio
 
-from .. import _decide, _proto, telemetry
+from .. import _decide, _proto, _spans, telemetry
 from .._decide import (
     Commit,
     Finish,
@@ -69,18 +69,8 @@ def _window_spans(
         if opened is None:
             continue
         start, inputs = opened
-        tel.span(
-            "stage.openai_decode_verify_window",
-            start,
-            {
-                "llama_stage.request_id": request_id,
-                "llama_stage.verify_window_id": window_id,
-                "llama_stage.verify_window_token_count": inputs,
-                "llama_stage.verify_window_accepted": 0 if cancelled else accepted,
-                "llama_stage.verify_window_cancelled": cancelled,
-                "llama_stage.verify_window_stale": cancelled or stale,
-                "llama_stage.elapsed_ms": (telemetry.now_ns() - start) / 1e6,
-            },
+        _spans.verify_window(
+            request_id, window_id, start, inputs, accepted, cancelled=cancelled, stale=stale
         )
 
 

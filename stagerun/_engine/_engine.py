@@ -28,7 +28,7 @@ from typing import Any, Literal
 import attrs
 import numpy as np
 
-from .. import _proto, telemetry
+from .. import _proto, _spans
 from .._decide._sampling import sample_rows
 from .._decide._ticks import DEFAULT_TICK_ROWS
 from .._errors import ComputeCancelled, StageError
@@ -36,7 +36,7 @@ from ..abc import ComputeBackend, ForwardItem, exports_kv
 from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
 from ._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, keep_blocks, restore_blocks
 from ._scheduler import TickInfo, TickScheduler
-from ._session import Session, StopCheck, check_finite, compute_attributes, compute_stats
+from ._session import Session, StopCheck, check_finite, compute_stats
 
 __all__ = ["SessionRefused", "StageEngine"]
 
@@ -143,20 +143,19 @@ class StageEngine:
 
     def summarize(self, request_id: int, session: Session) -> None:
         """The span an ended session reports: its counts, and the stage's stale-work counters."""
-        telemetry.current().span(
-            "stage.binary_request_summary",
+        _spans.stage_request_summary(
+            self.index,
+            request_id,
             session.started_ns,
             {
-                "llama_stage.stage_index": self.index,
-                "llama_stage.request_id": request_id,
-                "llama_stage.message_count": session.messages,
-                "llama_stage.computes": session.computes,
-                "llama_stage.token_count": session.tokens,
-                "llama_stage.compute_ms": session.compute_us / 1000.0,
-                "llama_stage.forward_write_ms": session.forward_write_us / 1000.0,
-                "llama_stage.stale_dropped": self.stale_dropped,
-                "llama_stage.stale_stopped": self.stale_stopped,
-                "llama_stage.stale_stopped_layers": {
+                "message_count": session.messages,
+                "computes": session.computes,
+                "token_count": session.tokens,
+                "compute_ms": session.compute_us / 1000.0,
+                "forward_write_ms": session.forward_write_us / 1000.0,
+                "stale_dropped": self.stale_dropped,
+                "stale_stopped": self.stale_stopped,
+                "stale_stopped_layers": {
                     str(layer): n for layer, n in sorted(self.stale_stopped_layers.items())
                 },
             },
@@ -217,17 +216,7 @@ class StageEngine:
         session.computes += 1
         session.tokens += len(message.tokens)
         session.compute_us += compute_us
-        tel = telemetry.current()
-        if tel.debug_enabled:
-            tel.debug_span(
-                "stage.binary_llama_decode",
-                telemetry.now_ns() - int((time.perf_counter() - tick.started) * 1e9),
-                {
-                    **compute_attributes(self.index, message),
-                    "llama_stage.elapsed_ms": tick.seconds * 1000.0,
-                    "llama_stage.batch_size": tick.batch,
-                },
-            )
+        _spans.stage_computed(self.index, message, tick.seconds, tick.batch)
         return out, compute_stats(message, compute_us, self.index)
 
     def answer(
@@ -268,15 +257,4 @@ class StageEngine:
         else:
             self.stale_stopped += 1
             self.stale_stopped_layers[layer] += 1
-        tel = telemetry.current()
-        if tel.debug_enabled:
-            tel.debug_span(
-                "stage.binary_llama_decode",
-                telemetry.now_ns() - int(seconds * 1e9),
-                {
-                    **compute_attributes(self.index, message),
-                    "llama_stage.compute_stopped": True,
-                    "llama_stage.compute_stopped_layer": layer,
-                    "llama_stage.elapsed_ms": seconds * 1000.0,
-                },
-            )
+        _spans.stage_stopped(self.index, message, layer, seconds)

@@ -28,7 +28,6 @@ __all__ = [
     "Session",
     "StopCheck",
     "check_finite",
-    "compute_attributes",
     "compute_stats",
     "us_since",
 ]
@@ -105,17 +104,3 @@ def compute_stats(
             slowest_stage=stage_index,
         )
     return stats
-
-
-def compute_attributes(stage_index: int, message: _proto.ActivationMessage) -> dict[str, Any]:
-    """What the debug spans of one computed message say of it (ids, positions, counts)."""
-    attributes: dict[str, Any] = {
-        "llama_stage.stage_index": stage_index,
-        "llama_stage.message_kind": message.kind,
-        "llama_stage.request_id": message.request_id,
-        "llama_stage.pos_start": message.position,
-        "llama_stage.token_count": len(message.tokens),
-    }
-    if isinstance(message, _proto.Verify):
-        attributes["llama_stage.verify_window_id"] = message.window_id
-    return attributes
