@@ -1,4 +1,4 @@
-"""Batching: which forwards share a tick, the tick scheduler, and batch invariance.
+"""Batching: which forwards share a tick, the tick batcher, and batch invariance.
 
 The invariance property: whatever else a stage computes beside it -- other sessions arriving
 at any time, with prompts of any length, plain decode steps or verify windows, windows
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from stagerun import ComputeCancelled
 from stagerun._decide._ticks import Waiting, choose_tick
-from stagerun._engine._scheduler import TickInfo, TickScheduler
+from stagerun._engine._batcher import TickBatcher, TickInfo
 from stagerun.abc import ForwardItem, run_batch
 from stagerun.backends import NumpyBackend
 from stagerun.testing import write_tiny_model
@@ -55,7 +55,7 @@ def test_a_session_has_one_forward_per_tick_and_keeps_its_order() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# TickScheduler, on a backend that records what each tick computes
+# TickBatcher, on a backend that records what each tick computes
 
 
 class Recorder:
@@ -91,13 +91,13 @@ def _item(rows: int, width: int = 4, **kw: Any) -> ForwardItem:
 
 async def test_forwards_that_wait_together_share_one_tick() -> None:
     backend = Recorder(delay=0.05)
-    scheduler = TickScheduler(backend)
+    batcher = TickBatcher(backend)
     outputs: list[Any] = []
     ticks: dict[int, TickInfo] = {}
 
     async def one(rows: int) -> None:
         ticks[rows] = TickInfo()
-        outputs.append(await scheduler.forward(_item(rows), tick=ticks[rows]))
+        outputs.append(await batcher.forward(_item(rows), tick=ticks[rows]))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(one, 1)
@@ -106,8 +106,8 @@ async def test_forwards_that_wait_together_share_one_tick() -> None:
             nursery.start_soon(one, rows)
     assert [sorted(c) for c in backend.calls] == [[1], [2, 3, 4]]
     assert sorted(o.shape[0] for o in outputs) == [1, 2, 3, 4]
-    assert scheduler.ticks == 2 and scheduler.items == 4 and scheduler.rows == 10
-    assert scheduler.batch_sizes == {1: 1, 3: 1}
+    assert batcher.ticks == 2 and batcher.items == 4 and batcher.rows == 10
+    assert batcher.batch_sizes == {1: 1, 3: 1}
     # each forward learns its own tick: the wait for it is not part of its time
     assert [ticks[r].batch for r in (1, 2, 3, 4)] == [1, 3, 3, 3]
     assert ticks[2] == ticks[3] == ticks[4] and ticks[2].started >= ticks[1].started + 0.05
@@ -116,21 +116,21 @@ async def test_forwards_that_wait_together_share_one_tick() -> None:
 
 async def test_max_items_one_turns_batching_off() -> None:
     backend = Recorder(delay=0.02)
-    scheduler = TickScheduler(backend, max_items=1)
+    batcher = TickBatcher(backend, max_items=1)
     async with trio.open_nursery() as nursery:
         for rows in (1, 2, 3):
-            nursery.start_soon(scheduler.forward, _item(rows))
+            nursery.start_soon(batcher.forward, _item(rows))
     assert sorted(map(len, backend.calls)) == [1, 1, 1]
 
 
 async def test_a_stale_forward_is_dropped_before_its_tick_and_a_faulty_one_fails_alone() -> None:
     backend = Recorder(delay=0.05)
-    scheduler = TickScheduler(backend)
+    batcher = TickBatcher(backend)
     results: dict[str, Any] = {}
 
     async def one(name: str, item: ForwardItem, stale: Any = None) -> None:
         try:
-            results[name] = await scheduler.forward(item, stale=stale)
+            results[name] = await batcher.forward(item, stale=stale)
         except Exception as exc:
             results[name] = exc
 
@@ -151,32 +151,32 @@ async def test_a_stale_forward_is_dropped_before_its_tick_and_a_faulty_one_fails
 @pytest.mark.parametrize("gather", [1, None])
 async def test_stage0_gathers_the_decoding_sessions_into_one_tick(gather: int | None) -> None:
     backend = Recorder(delay=0.02)
-    scheduler = TickScheduler(backend, gather=gather)
+    batcher = TickBatcher(backend, gather=gather)
     a, b = _item(1), _item(1)
-    await scheduler.forward(a)  # each decodes once, apart: they are the decoding sessions
-    await scheduler.forward(b)
+    await batcher.forward(a)  # each decodes once, apart: they are the decoding sessions
+    await batcher.forward(b)
     backend.calls.clear()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(scheduler.forward, attrs.evolve(a))  # a's next step (its cache)
+        nursery.start_soon(batcher.forward, attrs.evolve(a))  # a's next step (its cache)
         await trio.sleep(0.01)  # b's comes later: with gather, a's tick waits for it
-        nursery.start_soon(scheduler.forward, attrs.evolve(b))
+        nursery.start_soon(batcher.forward, attrs.evolve(b))
     assert backend.calls == ([[1, 1]] if gather else [[1], [1]])
     # a prefill chunk never waits: prompts are not what ticks gather
     backend.calls.clear()
     with trio.fail_after(0.05):
-        await scheduler.forward(_item(3), prefill=True)
+        await batcher.forward(_item(3), prefill=True)
     assert backend.calls == [[3]]
 
 
 async def test_a_forward_cancelled_while_waiting_leaves_the_line() -> None:
     backend = Recorder(delay=0.05)
-    scheduler = TickScheduler(backend)
+    batcher = TickBatcher(backend)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(scheduler.forward, _item(1))
+        nursery.start_soon(batcher.forward, _item(1))
         await trio.sleep(0.01)
         with trio.move_on_after(0.01):
-            await scheduler.forward(_item(7))
-        assert scheduler.waiting == 0
+            await batcher.forward(_item(7))
+        assert batcher.waiting == 0
     assert backend.calls == [[1]]
 
 
@@ -331,14 +331,14 @@ def _solo(session: Session) -> list[Any]:
 
 
 async def _batched(sessions: list[Session]) -> None:
-    schedulers = [TickScheduler(b) for b in sessions[0].backends]
+    batchers = [TickBatcher(b) for b in sessions[0].backends]
 
     async def run(session: Session) -> None:
         await trio.sleep(session.script.arrive)
         for position, ids, logits, s in session.forwards():
             hidden: Any = ids
             stop = Session.stop(s)
-            for k, (sched, cache) in enumerate(zip(schedulers, session.caches, strict=True)):
+            for k, (sched, cache) in enumerate(zip(batchers, session.caches, strict=True)):
                 item = ForwardItem(cache, position, logits=logits, should_stop=stop,
                                    **({"tokens": hidden} if k == 0 else {"hidden": hidden}))  # fmt: skip  # noqa: E501
                 try:
@@ -354,7 +354,7 @@ async def _batched(sessions: list[Session]) -> None:
     async with trio.open_nursery() as nursery:
         for session in sessions:
             nursery.start_soon(run, session)
-    assert sum(schedulers[0].batch_sizes.values()) == schedulers[0].ticks
+    assert sum(batchers[0].batch_sizes.values()) == batchers[0].ticks
 
 
 @settings(
@@ -381,19 +381,19 @@ def test_batches_really_form_and_the_oracle_can_tell_sessions_apart(
     """Without batches the property is empty; and different sessions' logits must differ."""
     scripts = [Script(0.0, 5 + k, (Step(1), Step(1), Step(4, True, 2)), seed=k) for k in range(4)]
     sessions = [Session(s, backends) for s in scripts]
-    schedulers: list[TickScheduler] = []
-    original = TickScheduler.__init__
+    batchers: list[TickBatcher] = []
+    original = TickBatcher.__init__
 
-    def spy(self: TickScheduler, *args: Any, **kw: Any) -> None:
+    def spy(self: TickBatcher, *args: Any, **kw: Any) -> None:
         original(self, *args, **kw)
-        schedulers.append(self)
+        batchers.append(self)
 
-    TickScheduler.__init__ = spy  # type: ignore[method-assign]
+    TickBatcher.__init__ = spy  # type: ignore[method-assign]
     try:
         trio.run(_batched, sessions)
     finally:
-        TickScheduler.__init__ = original  # type: ignore[method-assign]
-    assert max(schedulers[0].batch_sizes) >= 2, schedulers[0].batch_sizes
+        TickBatcher.__init__ = original  # type: ignore[method-assign]
+    assert max(batchers[0].batch_sizes) >= 2, batchers[0].batch_sizes
     last = [s.outputs[-1] for s in sessions]
     assert all(not np.array_equal(last[0], other) for other in last[1:])
 
@@ -459,7 +459,7 @@ async def test_concurrent_requests_get_their_solo_tokens_greedy_seeded_and_specu
                                            speculation=spec, ignore_eog=True)  # fmt: skip
             solo.append(done.token_ids)
         assert len({tuple(t) for t in solo}) >= len(jobs) // 2, "the oracle must vary"
-        before = pipeline.scheduler.batch_sizes.copy()
+        before = pipeline.batcher.batch_sizes.copy()
         together: list[list[int]] = [[] for _ in jobs]
 
         async def one(k: int) -> None:
@@ -471,24 +471,24 @@ async def test_concurrent_requests_get_their_solo_tokens_greedy_seeded_and_specu
         async with trio.open_nursery() as nursery:
             for k in range(len(jobs)):
                 nursery.start_soon(one, k)
-        batched = pipeline.scheduler.batch_sizes - before
+        batched = pipeline.batcher.batch_sizes - before
     assert max(batched) >= 4, f"the requests were never batched: {batched}"
     for k, (alone, beside) in enumerate(zip(solo, together, strict=True)):
         assert alone == beside, (k, jobs[k][0], jobs[k][1], jobs[k][2])
 
 
 async def test_ticks_give_freed_memory_back_now_and_then(monkeypatch: pytest.MonkeyPatch) -> None:
-    from stagerun._engine import _scheduler
+    from stagerun._engine import _batcher
 
     calls: list[float] = []
-    monkeypatch.setattr(_scheduler, "release_free_memory", lambda: calls.append(1.0))
-    monkeypatch.setattr(_scheduler, "TRIM_SECONDS", 0.0)
-    scheduler = TickScheduler(Recorder())
-    await scheduler.forward(_item(1))
-    await scheduler.forward(_item(1))
+    monkeypatch.setattr(_batcher, "release_free_memory", lambda: calls.append(1.0))
+    monkeypatch.setattr(_batcher, "TRIM_SECONDS", 0.0)
+    batcher = TickBatcher(Recorder())
+    await batcher.forward(_item(1))
+    await batcher.forward(_item(1))
     assert len(calls) == 2
-    monkeypatch.setattr(_scheduler, "TRIM_SECONDS", 3600.0)
-    await scheduler.forward(_item(1))
+    monkeypatch.setattr(_batcher, "TRIM_SECONDS", 3600.0)
+    await batcher.forward(_item(1))
     assert len(calls) == 2  # rate-limited
 
 

@@ -1,6 +1,6 @@
 """Stage 0's batch sizes and every stage's busy fraction, in /metrics and /health.
 
-The histogram is built from the scheduler's Counter at scrape time; the busy fractions come
+The histogram is built from the batcher's Counter at scrape time; the busy fractions come
 from `BusySampler` (stage 0's busy seconds, a stage process's CPU time from ``/proc``), here
 on a fake clock first, then from a real 3-stage pipeline of processes behind the HTTP app.
 """
@@ -81,7 +81,7 @@ def _process(index: int, pid: int, state: Any = "running") -> StageProcess:
 def test_busy_fractions_cover_the_time_since_the_previous_sample() -> None:
     now = [100.0]
     cpu = {41: 5.0, 42: 1.0}
-    scheduler = SimpleNamespace(busy_seconds=2.0)
+    batcher = SimpleNamespace(busy_seconds=2.0)
     stage1, stage2 = _process(1, 41), _process(2, 42)
     stages = [
         StageInfo(0, (0, 2), None),
@@ -89,12 +89,12 @@ def test_busy_fractions_cover_the_time_since_the_previous_sample() -> None:
         StageInfo(2, (4, 6), "127.0.0.1:2", 42, process=stage2),
         StageInfo(3, (6, 8), "127.0.0.1:3", os.getpid()),  # inproc: no process of its own
     ]
-    pipeline: Any = SimpleNamespace(scheduler=scheduler, stages=stages)
+    pipeline: Any = SimpleNamespace(batcher=batcher, stages=stages)
     sampler = BusySampler(pipeline, clock=lambda: now[0], cpu=cpu.get)
     assert running_pids(stages) == {1: 41, 2: 42}
-    now[0], scheduler.busy_seconds, cpu[41], cpu[42] = 104.0, 3.0, 7.0, 9.0
+    now[0], batcher.busy_seconds, cpu[41], cpu[42] = 104.0, 3.0, 7.0, 9.0
     assert sampler.sample() == {0: 0.25, 1: 0.5, 2: 2.0}  # stage 2 on two threads
-    now[0], scheduler.busy_seconds = 106.0, 6.0  # a long tick ended in this window
+    now[0], batcher.busy_seconds = 106.0, 6.0  # a long tick ended in this window
     stage1.state = "restarting"
     assert sampler.sample() == {0: 1.0, 2: 0.0}
     now[0], cpu[43] = 110.0, 1.0
@@ -143,20 +143,20 @@ async def test_metrics_and_health_show_batches_and_busy_stages(tiny_model_path: 
                     functools.partial(client.post, "/v1/chat/completions", json=body)
                 )
         samples = _samples((await client.get("/metrics")).text)
-        ticks = pipeline.scheduler.ticks
+        ticks = pipeline.batcher.ticks
         assert ticks > 0
         assert samples["stagerun_stage0_ticks_total"] == ticks
-        assert samples["stagerun_stage0_rows_total"] == pipeline.scheduler.rows
+        assert samples["stagerun_stage0_rows_total"] == pipeline.batcher.rows
         assert samples["stagerun_stage0_batch_size_count"] == ticks
         assert samples['stagerun_stage0_batch_size_bucket{le="+Inf"}'] == ticks
-        assert samples["stagerun_stage0_batch_size_sum"] == pipeline.scheduler.items
+        assert samples["stagerun_stage0_batch_size_sum"] == pipeline.batcher.items
         for stage in range(3):
             assert samples[f'stagerun_stage_busy_ratio{{stage="{stage}"}}'] >= 0
         health = (await client.get("/health")).json()
         stage0, stage1, stage2 = health["stages"]
         assert stage0["batch"] == {
             "ticks": ticks,
-            "mean_items_per_tick": round(pipeline.scheduler.items / ticks, 3),
+            "mean_items_per_tick": round(pipeline.batcher.items / ticks, 3),
         }
         assert 0 <= stage0["busy"] <= 1
         assert stage1["busy"] >= 0 and stage2["busy"] >= 0

@@ -98,7 +98,7 @@ async def test_metrics_parse_as_prometheus_text(tiny_model_path: Path) -> None:
         assert samples[("stagerun_request_duration_seconds_count", duration[:1])] == 1
         assert samples[("stagerun_prompt_tokens_total", ())] == usage["prompt_tokens"]
         assert samples[("stagerun_completion_tokens_total", ())] == usage["completion_tokens"]
-        assert samples[("stagerun_stage0_ticks_total", ())] == pipeline.scheduler.ticks > 0
+        assert samples[("stagerun_stage0_ticks_total", ())] == pipeline.batcher.ticks > 0
         assert samples[("stagerun_requests_in_flight", ())] == 0
         assert samples[("stagerun_lanes_idle", ())] == 1
         assert [s.labels["stage"] for s in families["stagerun_stage_up"].samples] == ["0", "1"]

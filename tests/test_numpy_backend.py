@@ -14,7 +14,7 @@ import pytest
 from threadpoolctl import threadpool_info
 
 from stagerun._errors import ComputeCancelled, LayerRangeError
-from stagerun.backends import KVCache, NumpyBackend, _numpy
+from stagerun.backends import NumpyBackend, NumpyKVCache, _numpy
 from stagerun.model import ModelFile, open_model
 from stagerun.testing import write_tiny_model
 
@@ -68,7 +68,7 @@ def split_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 def run_stages(
     backends: Sequence[NumpyBackend],
-    caches: Sequence[KVCache],
+    caches: Sequence[NumpyKVCache],
     position: int,
     tokens: Sequence[int],
     logits: str = "all",

@@ -14,7 +14,7 @@ whether the request resumes on a new lane by replaying its committed tokens. Wit
 decoding goes through pipelined verify windows instead (`stagerun._driver._speculative`).
 Each request is a `stagerun._driver._request.Request`; `Pipeline` holds what requests share
 (the model, stage 0's engine, the pool, the settings, the counters). Stage 0's engine
-(`stagerun._engine.StageEngine`) is the one every stage holds: its tick scheduler batches the
+(`stagerun._engine.StageEngine`) is the one every stage holds: its tick batcher batches the
 requests' stage-0 forwards, its prefix cache and session budget bound what they keep.
 """
 
@@ -44,7 +44,7 @@ from .._engine import (
     DEFAULT_PREFIX_CACHE_MB,
     PrefixCache,
     StageEngine,
-    TickScheduler,
+    TickBatcher,
 )
 from .._errors import LaneError
 from .._util import single_exceptions
@@ -68,7 +68,7 @@ from ._values import (
 log = logging.getLogger("stagerun.pipeline")
 
 # Stage 0's ticks gather the decoding requests into this many groups, which then travel down
-# the pipeline together (see TickScheduler). One group: every stage computes every request's
+# the pipeline together (see TickBatcher). One group: every stage computes every request's
 # step in one tick, which streams the stage's weights (and the output head's) once per step
 # for all of them; measured on 2 cores, 3 stages, 8 clients: 86 tokens/s against 73 for two
 # groups and 67 without gathering.
@@ -138,9 +138,9 @@ class Pipeline:
         )
 
     @property
-    def scheduler(self) -> TickScheduler:
-        """Stage 0's tick scheduler (its engine's)."""
-        return self.engine.scheduler
+    def batcher(self) -> TickBatcher:
+        """Stage 0's tick batcher (its engine's)."""
+        return self.engine.batcher
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

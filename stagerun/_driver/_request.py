@@ -218,7 +218,7 @@ class Request:
 
     def load(self) -> float:
         """How busy stage 0's compute has been in the last second (0..1)."""
-        return self.engine.scheduler.recent_busy()
+        return self.engine.batcher.recent_busy()
 
     async def compute(self, message: _proto.ActivationMessage) -> np.ndarray[Any, Any]:
         """Stage 0's own layers for ``message``, on this request's session."""

@@ -1,7 +1,7 @@
 """`StageEngine`: what a stage does with its requests, apart from any lane.
 
 Theory of operation: every stage, stage 0 included, holds one engine. It owns the stage's
-compute (a `TickScheduler`, which batches the forwards of every session tick by tick), its
+compute (a `TickBatcher`, which batches the forwards of every session tick by tick), its
 prefix cache of KV blocks, the `SessionBudget` that bounds what the sessions of all its
 requests hold, and the counters of stale work. It is the one home of what a stage does with
 a request:
@@ -33,9 +33,9 @@ from .._decide._sampling import sample_rows
 from .._decide._ticks import DEFAULT_TICK_ROWS
 from .._errors import ComputeCancelled, StageError
 from ..abc import ComputeBackend, ForwardItem, exports_kv
+from ._batcher import TickBatcher, TickInfo
 from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
 from ._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, keep_blocks, restore_blocks
-from ._scheduler import TickInfo, TickScheduler
 from ._session import Session, StopCheck, check_finite, compute_stats
 
 __all__ = ["SessionRefused", "StageEngine"]
@@ -53,7 +53,7 @@ class StageEngine:
         index: the stage's position in the pipeline (0 is the driver's).
         max_batch: sessions one tick computes together at most (1: no batching).
         tick_rows: rows one tick computes at most (a larger forward runs alone).
-        gather: how many groups decoding sessions travel in (stage 0's, see `TickScheduler`).
+        gather: how many groups decoding sessions travel in (stage 0's, see `TickBatcher`).
         max_sessions: requests open at once on this stage.
         max_kv_tokens: KV positions the caches of all those requests may reach together.
         prefix_cache_bytes: what the prefix cache may hold (0: none). Its KV positions
@@ -79,9 +79,7 @@ class StageEngine:
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_bytes > 0 and exports_kv(backend):
             self.prefix_cache = PrefixCache(prefix_cache_bytes, budget=self.budget)
-        self.scheduler = TickScheduler(
-            backend, max_rows=tick_rows, max_items=max_batch, gather=gather
-        )
+        self.batcher = TickBatcher(backend, max_rows=tick_rows, max_items=max_batch, gather=gather)
         self.computes = 0  # forwards asked for (a stale one dropped unseen included)
         self.stale_dropped = 0  # stale windows dropped before their compute started
         self.stale_stopped = 0  # stale windows whose compute stopped at a layer boundary
@@ -200,7 +198,7 @@ class StageEngine:
         self.computes += 1
         start, tick = time.perf_counter(), TickInfo()
         try:
-            out = await self.scheduler.forward(
+            out = await self.batcher.forward(
                 item,
                 prefill=isinstance(message, _proto.Prefill),
                 stale=None if stop is None else stop.cancelled,

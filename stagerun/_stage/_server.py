@@ -6,7 +6,7 @@ connection opens with the handshake; its role says what it is:
 * ``LANE``: one hop of a chain, carried out in order by a `stagerun._stage._worker.LaneWorker`:
   compute through the backend, then forward downstream or, on the last stage, sample and
   reply over the return connection. The forwards of every lane go through one
-  `stagerun._engine._scheduler.TickScheduler`: one batched forward at a time per stage, over
+  `stagerun._engine._batcher.TickBatcher`: one batched forward at a time per stage, over
   whatever every lane has ready.
 * ``RETURN``: stage 0's return connection for one chain, parked under its key until a
   ``Configure`` with that key binds it (last stage only).
@@ -37,7 +37,7 @@ from typing import Any
 import trio
 
 from .. import _proto, plugins
-from .._engine import PrefixCache, SessionBudget, StageEngine, TickScheduler
+from .._engine import PrefixCache, SessionBudget, StageEngine, TickBatcher
 from .._engine._config import DEFAULT_IDLE_TIMEOUT as DEFAULT_IDLE_TIMEOUT
 from .._engine._config import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
 from .._engine._config import DEFAULT_MAX_HANDSHAKES as DEFAULT_MAX_HANDSHAKES
@@ -128,8 +128,8 @@ class StageServer:
 
     # What the engine counts, read where the stage is: its repr, tests, summaries.
     @property
-    def scheduler(self) -> TickScheduler:
-        return self.engine.scheduler
+    def batcher(self) -> TickBatcher:
+        return self.engine.batcher
 
     @property
     def session_budget(self) -> SessionBudget:

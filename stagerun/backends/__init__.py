@@ -5,5 +5,5 @@ from ._inputs import forward_one as forward_one
 from ._inputs import poll_stops as poll_stops
 from ._inputs import stage_input as stage_input
 from ._layers import GgufLayers as GgufLayers
-from ._numpy import KVCache as KVCache
 from ._numpy import NumpyBackend as NumpyBackend
+from ._numpy import NumpyKVCache as NumpyKVCache

@@ -11,7 +11,7 @@ _CHUNK = 256  # first KV allocation, in tokens; later growth doubles
 _KEY_BLOCK = 64  # keys per attention block: every sum over keys has this fixed length
 
 
-class KVCache:
+class NumpyKVCache:
     """Keys and values of one session on one stage, for positions ``0..length-1``.
 
     Keys are stored transposed, ``[layers, n_kv, head_dim, capacity]``, and values as

@@ -72,10 +72,10 @@ from ._kernels import (
     _Rope,
     _silu,
 )
-from ._kv import _KEY_BLOCK, KVBlock, KVCache
+from ._kv import _KEY_BLOCK, KVBlock, NumpyKVCache
 from ._layers import GgufLayers
 
-__all__ = ["KVBlock", "KVCache", "NumpyBackend"]
+__all__ = ["KVBlock", "NumpyBackend", "NumpyKVCache"]
 
 F32 = npt.NDArray[np.float32]
 _ATTENTION_ROWS = 80  # query positions attended at once (bounds the score arrays)
@@ -176,14 +176,14 @@ class NumpyBackend(GgufLayers):
             f"first={self.is_first} last={self.is_last} threads={self.threads}>"
         )
 
-    def new_cache(self) -> KVCache:
+    def new_cache(self) -> NumpyKVCache:
         """An empty KV cache for one session on this stage."""
         c = self.config
-        return KVCache(self._hi - self._lo, c.n_kv_heads, c.head_dim, c.context_length)
+        return NumpyKVCache(self._hi - self._lo, c.n_kv_heads, c.head_dim, c.context_length)
 
     def forward(
         self,
-        cache: KVCache,
+        cache: NumpyKVCache,
         position: int,
         *,
         tokens: npt.ArrayLike | Sequence[int] | None = None,
@@ -210,7 +210,7 @@ class NumpyBackend(GgufLayers):
         """
         return forward_one(self, ForwardItem(cache, position, tokens, hidden, logits, should_stop))
 
-    def export_kv(self, cache: KVCache, start: int, stop: int) -> KVBlock:
+    def export_kv(self, cache: NumpyKVCache, start: int, stop: int) -> KVBlock:
         """A copy of the keys and values of positions ``start..stop-1`` (for the prefix cache)."""
         if not 0 <= start <= stop <= cache.length:
             raise ValueError(
@@ -218,7 +218,7 @@ class NumpyBackend(GgufLayers):
             )
         return KVBlock(cache._k[..., start:stop].copy(), cache._v[:, :, start:stop].copy())
 
-    def import_kv(self, cache: KVCache, blocks: Sequence[KVBlock]) -> None:
+    def import_kv(self, cache: NumpyKVCache, blocks: Sequence[KVBlock]) -> None:
         """Fill the empty ``cache`` with ``blocks``, consecutive from position 0."""
         if cache.length:
             raise ValueError(f"import_kv needs an empty cache, not one of {cache.length}.")
@@ -307,7 +307,7 @@ class NumpyBackend(GgufLayers):
             embedded *= self._embd_scale
         return embedded
 
-    def _check_position(self, cache: KVCache, position: int, n: int) -> None:
+    def _check_position(self, cache: NumpyKVCache, position: int, n: int) -> None:
         c = self.config
         if cache._shape != (self._hi - self._lo, c.n_kv_heads, 0, c.head_dim):
             raise ValueError("this KV cache was made by a backend with another layer range.")
@@ -378,7 +378,7 @@ class NumpyBackend(GgufLayers):
         from the prefix cache and finished in a chunk of its own, computes bitwise the same.
         """
         c = self.config
-        cache: KVCache = item.cache
+        cache: NumpyKVCache = item.cache
         n, hd, n_kv = qkv.shape[0], c.head_dim, c.n_kv_heads
         group, nqk = c.n_heads // n_kv, c.n_heads + n_kv
         pos = item.position

@@ -38,7 +38,7 @@ def _stage_entries(
         if entry["index"] in busy:
             entry["busy"] = round(busy[entry["index"]], 4)
         if entry["index"] == 0:
-            entry["batch"] = tick_summary(pipeline.scheduler)
+            entry["batch"] = tick_summary(pipeline.batcher)
     return entries
 
 

@@ -35,7 +35,7 @@ from .._driver._lanes import LanePool
 from .._driver._pipeline import Pipeline
 from .._driver._supervise import STATES, StageProcess, is_serving, running_pids
 from .._driver._values import StageHealth
-from .._engine._scheduler import TickScheduler
+from .._engine._batcher import TickBatcher
 from .._util import cpu_seconds
 from ._admission import Admission
 
@@ -127,7 +127,7 @@ class Histogram:
 class BusySampler:
     """Each stage's busy fraction over the time between two calls of `sample`.
 
-    Stage 0's is the share of the window its tick scheduler computed (at most 1). A supervised
+    Stage 0's is the share of the window its tick batcher computed (at most 1). A supervised
     stage process's is the CPU time it used (user + system) per second of the window, above 1
     when it computes on several threads. Stages that run as tasks of this process (``inproc``)
     or elsewhere (a topology, ``remote``) have no sample. A stage process restarted within the
@@ -156,9 +156,7 @@ class BusySampler:
 
     def _read(self) -> dict[int, tuple[int | None, float]]:
         """Each measured stage's (pid, seconds busy or on CPU so far); stage 0's pid is None."""
-        used: dict[int, tuple[int | None, float]] = {
-            0: (None, self._pipeline.scheduler.busy_seconds)
-        }
+        used: dict[int, tuple[int | None, float]] = {0: (None, self._pipeline.batcher.busy_seconds)}
         for index, pid in running_pids(self._pipeline.stages).items():
             seconds = self._cpu(pid)
             if seconds is not None:
@@ -182,11 +180,11 @@ class BusySampler:
         return out
 
 
-def tick_summary(scheduler: TickScheduler) -> dict[str, Any]:
+def tick_summary(batcher: TickBatcher) -> dict[str, Any]:
     """``/health``'s view of a stage's ticks: how many, and the mean forwards one took."""
-    mean = scheduler.items / scheduler.ticks if scheduler.ticks else None
+    mean = batcher.items / batcher.ticks if batcher.ticks else None
     return {
-        "ticks": scheduler.ticks,
+        "ticks": batcher.ticks,
         "mean_items_per_tick": None if mean is None else round(mean, 3),
     }
 
@@ -395,17 +393,17 @@ def _pipeline_families(scrape: Scrape) -> Iterator[Metric]:
             for state in STATES:
                 states.add_metric([str(index), state], int(process.state == state))
         yield states
-    yield from _tick_families(pipeline.scheduler)
+    yield from _tick_families(pipeline.batcher)
 
 
-def _tick_families(scheduler: TickScheduler) -> Iterator[Metric]:
+def _tick_families(batcher: TickBatcher) -> Iterator[Metric]:
     """Stage 0's tick counters and batch size histogram."""
     for name, help_text, value in (
-        ("stagerun_stage0_ticks_total", "Batched forwards stage 0 computed.", scheduler.ticks),
-        ("stagerun_stage0_rows_total", "Token rows stage 0's ticks computed.", scheduler.rows),
+        ("stagerun_stage0_ticks_total", "Batched forwards stage 0 computed.", batcher.ticks),
+        ("stagerun_stage0_rows_total", "Token rows stage 0's ticks computed.", batcher.rows),
     ):
         yield _one("counter", name, help_text, value)
-    hist = Histogram.from_counts(scheduler.batch_sizes, BATCH_BUCKETS)
+    hist = Histogram.from_counts(batcher.batch_sizes, BATCH_BUCKETS)
     yield hist.family("stagerun_stage0_batch_size", "Forwards (requests) per stage 0 tick.")
 
 

@@ -1,13 +1,13 @@
 """A stage's compute, one tick at a time, over the ready work of every session.
 
 Theory of operation: each session's task (a lane worker on a stage server, a request on
-stage 0) hands its next forward to `TickScheduler.forward` and waits. A tick is one batched
+stage 0) hands its next forward to `TickBatcher.forward` and waits. A tick is one batched
 forward through the backend (`stagerun.abc.ComputeBackend.forward_batch`) in a worker thread;
 whatever arrives while a tick runs waits for the next one, which starts the moment this one
 ends (continuous batching: no tick ever waits for more work). `stagerun._decide._ticks`
 decides which waiting forwards a tick takes.
 
-There is no scheduler task: the first waiting task that finds no tick running runs the next
+There is no batcher task: the first waiting task that finds no tick running runs the next
 tick for everybody, then wakes the others; one whose forward is done returns, another runs the
 tick after. A tick is never abandoned half-way: the thread finishes, and its results are
 delivered, even if the task running it is cancelled meanwhile (that task then raises).
@@ -35,7 +35,7 @@ from .._errors import ComputeCancelled
 from .._util import release_free_memory
 from ..abc import ForwardItem, run_batch
 
-__all__ = ["RECENT_SECONDS", "TickInfo", "TickScheduler"]
+__all__ = ["RECENT_SECONDS", "TickBatcher", "TickInfo"]
 
 RECENT_SECONDS = 1.0
 # A gathering tick waits at most this many mean ticks' time for the decoding sessions, which
@@ -47,7 +47,7 @@ TRIM_SECONDS = 2.0  # a tick's thread gives freed heap memory back at most this 
 
 @attrs.define
 class TickInfo:
-    """Filled in by `TickScheduler.forward`: the tick that computed a forward.
+    """Filled in by `TickBatcher.forward`: the tick that computed a forward.
 
     ``started`` is a `time.perf_counter` reading; the time a forward waited for its tick
     is not part of ``seconds``. ``batch`` counts the forwards the tick computed.
@@ -72,7 +72,7 @@ class _Job:
         self.outcome: np.ndarray[Any, Any] | BaseException | None = None
 
 
-class TickScheduler:
+class TickBatcher:
     """Runs the forwards of every session on one backend, batched tick by tick.
 
     Args:
@@ -121,7 +121,7 @@ class TickScheduler:
 
     def __repr__(self) -> str:
         return (
-            f"<TickScheduler ticks={self.ticks} items={self.items} rows={self.rows} "
+            f"<TickBatcher ticks={self.ticks} items={self.items} rows={self.rows} "
             f"waiting={len(self._waiting)} busy={self.busy_fraction():.2f}>"
         )
 
