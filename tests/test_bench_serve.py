@@ -17,13 +17,11 @@ from stagerun._cli._bench._serve import (
     PROMPTS,
     StreamReader,
     cpu_seconds,
-    llama_command,
     percentile,
     plot_scaling,
     scaling_ratios,
-    serve_command,
-    stage_pids,
 )
+from stagerun._cli._bench._servers import llama_command, serve_command, stage_pids
 from stagerun._cli._main import main
 from stagerun._cli._options import build_parser
 
@@ -185,7 +183,7 @@ def test_plot_scaling_draws_both_curves_into_a_png(tmp_path: pathlib.Path) -> No
 
 
 def test_options_serve_lacks_are_found_before_anything_starts() -> None:
-    from stagerun._cli._bench._serve import _serve_accepts
+    from stagerun._cli._bench._servers import serve_accepts as _serve_accepts
 
     assert _serve_accepts("--stages") and _serve_accepts("--max-queue")
     assert not _serve_accepts("--no-such-option")

@@ -19,7 +19,6 @@ from stagerun._proto._stage_lane import (
     Compute,
     DropQueued,
     Fail,
-    Forward,
     Open,
     OwedAck,
     PassOn,
@@ -27,6 +26,7 @@ from stagerun._proto._stage_lane import (
     RememberBlocks,
     Reply,
     SendCancelled,
+    SendDown,
     SendStatus,
     StageLane,
     TrimCache,
@@ -121,10 +121,10 @@ def test_last_stage_receives(message: _proto.Message, held: bool, commands: list
 @pytest.mark.parametrize(
     ("last", "message", "commands"),
     [
-        (False, PREFILL, [Forward(PREFILL, SESSION, OUT, STATS, owed(STATS))]),
-        (False, PREFILL_LAST, [Forward(PREFILL_LAST, SESSION, OUT, STATS, None)]),
-        (False, DECODE, [Forward(DECODE, SESSION, OUT, STATS, None)]),
-        (False, VERIFY, [Forward(VERIFY, SESSION, OUT, STATS, None)]),
+        (False, PREFILL, [SendDown(PREFILL, SESSION, OUT, STATS, owed(STATS))]),
+        (False, PREFILL_LAST, [SendDown(PREFILL_LAST, SESSION, OUT, STATS, None)]),
+        (False, DECODE, [SendDown(DECODE, SESSION, OUT, STATS, None)]),
+        (False, VERIFY, [SendDown(VERIFY, SESSION, OUT, STATS, None)]),
         (True, PREFILL, [AckUp(RID, STATS)]),
         (True, PREFILL_LAST, [Reply(PREFILL_LAST, SESSION, OUT, STATS)]),
         (True, DECODE, [Reply(DECODE, SESSION, OUT, STATS)]),
@@ -135,7 +135,7 @@ def test_computed(last: bool, message: _proto.ActivationMessage, commands: list)
     state = lane(last=last)
     state.receive(message, ACTS, now=NOW)
     assert state.computed(message, OUT, STATS, now=NOW) == commands
-    assert list(state.owed) == [c.owed for c in commands if isinstance(c, Forward) and c.owed]
+    assert list(state.owed) == [c.owed for c in commands if isinstance(c, SendDown) and c.owed]
 
 
 @pytest.mark.parametrize(
@@ -260,7 +260,7 @@ def test_a_prefill_chunk_ack_names_this_hop_as_its_edge() -> None:
     )
     state.receive(PREFILL, ACTS)
     (forward,) = state.computed(PREFILL, OUT, stats, now=NOW)
-    assert isinstance(forward, Forward) and forward.owed is not None
+    assert isinstance(forward, SendDown) and forward.owed is not None
     (ack,) = state.downstream_replied(
         _proto.Ack(request_id=RID, stats=_proto.StageStats(stage_count=1), cached=0),
         now=NOW + 0.001,

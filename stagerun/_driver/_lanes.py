@@ -2,7 +2,7 @@
 
 Theory of operation (semantics of the original ``PersistentStageLanePool``):
 
-* A `Lane` is a forward connection to stage 1 plus a return connection to the last stage,
+* A `Lane` is a connection down to stage 1 plus a return connection to the last stage,
   bound together by a random ``return_key`` (see docs/architecture.md). Lane ids come from a
   counter and are never reused, so a replacement lane is always told apart from the one it
   replaces.
@@ -53,34 +53,38 @@ LANE_STEADY_CONNECT_TIMEOUT = 3.0
 
 
 class Lane:
-    """One path through the pipeline: forward to stage 1, return from the last stage."""
+    """One path through the pipeline: down to stage 1, and back from the last stage directly.
+
+    ``down`` is the connection to stage 1 (requests go down it, acks come up it);
+    ``returns`` are the return connections, one per candidate last stage.
+    """
 
     def __init__(
         self,
         lane_id: int,
-        forward: FrameStream,
-        back: FrameStream | Sequence[FrameStream],
+        down: FrameStream,
+        returns: FrameStream | Sequence[FrameStream],
         *,
         return_key: int,
         reply_timeout: float,
     ) -> None:
         self.id = lane_id
-        self.forward = forward
+        self.down = down
         # One return connection per candidate last stage (the primary and its standbys): the
         # one the chain reaches binds its connection by key, the others stay parked.
-        self.backs = [back] if isinstance(back, FrameStream) else list(back)
-        if not self.backs:
+        self.returns = [returns] if isinstance(returns, FrameStream) else list(returns)
+        if not self.returns:
             raise ValueError("a lane needs at least one return connection")
         self.return_key = return_key
         self.reply_timeout = reply_timeout
 
     def __repr__(self) -> str:
-        return f"<Lane id={self.id} forward={self.forward!r} backs={self.backs!r}>"
+        return f"<Lane id={self.id} down={self.down!r} returns={self.returns!r}>"
 
     @property
-    def back(self) -> FrameStream:
+    def primary_return(self) -> FrameStream:
         """The return connection to the primary last stage."""
-        return self.backs[0]
+        return self.returns[0]
 
     async def send(
         self,
@@ -90,10 +94,10 @@ class Lane:
     ) -> None:
         tel = telemetry.current()
         if activations is None or not tel.debug_enabled:
-            await self.forward.send(message, activations, dtype, timeout=self.reply_timeout)
+            await self.down.send(message, activations, dtype, timeout=self.reply_timeout)
             return
         started = telemetry.now_ns()
-        await self.forward.send(message, activations, dtype, timeout=self.reply_timeout)
+        await self.down.send(message, activations, dtype, timeout=self.reply_timeout)
         _spans.activations_sent(message, int(activations.nbytes), started)
 
     async def request_ack(self, message: _proto.Message) -> _proto.Ack:
@@ -102,7 +106,7 @@ class Lane:
         return await self.receive_ack()
 
     async def receive_ack(self) -> _proto.Ack:
-        frame = await self.forward.receive(timeout=self.reply_timeout)
+        frame = await self.down.receive(timeout=self.reply_timeout)
         reply = frame.message
         match _proto.check_reply(_proto.Owes.ACK, reply, on_return=False):
             case _proto.ReplyCheck.TAKEN:
@@ -112,7 +116,7 @@ class Lane:
                 assert isinstance(reply, _proto.Error)
                 raise StageError(f"stage {reply.stage_index}: {reply.message}")
         raise LaneBrokenError(
-            f"lane {self.id}: expected an Ack from {self.forward.peer}, got {type(reply).__name__}"
+            f"lane {self.id}: expected an Ack from {self.down.peer}, got {type(reply).__name__}"
         )
 
     async def receive_predictions(self, request_id: int) -> _proto.Predictions:
@@ -125,8 +129,8 @@ class Lane:
     async def receive_reply(self, request_id: int) -> _proto.Predictions | _proto.Cancelled:
         """Wait for the next reply for ``request_id`` on the return connection.
 
-        The forward connection is watched at the same time: a stage that fails reports an
-        ``Error`` upstream, and a broken forward connection means the chain is gone. A reply
+        The connection down the lane is watched at the same time: a stage that fails reports an
+        ``Error`` upstream, and a broken one means the chain is gone. A reply
         for another request means the lane's state is confused: it raises `StageError`.
         """
         outcome: list[tuple[FrameStream, _proto.Frame | BaseException]] = []
@@ -141,19 +145,19 @@ class Lane:
         try:
             with trio.fail_after(self.reply_timeout):
                 async with trio.open_nursery() as nursery:
-                    for back in self.backs:
-                        nursery.start_soon(watch, back, nursery.cancel_scope)
-                    nursery.start_soon(watch, self.forward, nursery.cancel_scope)
+                    for ret in self.returns:
+                        nursery.start_soon(watch, ret, nursery.cancel_scope)
+                    nursery.start_soon(watch, self.down, nursery.cancel_scope)
         except trio.TooSlowError as exc:
             raise LaneTimeoutError(
-                f"lane {self.id}: no prediction from {self.back.peer} within "
+                f"lane {self.id}: no prediction from {self.primary_return.peer} within "
                 f"{self.reply_timeout:g}s"
             ) from exc
         stream, result = outcome[0]
         if isinstance(result, BaseException):
             raise result
         reply = result.message
-        on_return = stream is not self.forward
+        on_return = stream is not self.down
         match _proto.check_reply(_proto.Owes.PREDICTIONS, reply, on_return=on_return):
             case _proto.ReplyCheck.TAKEN:
                 assert isinstance(reply, (_proto.Predictions, _proto.Cancelled))
@@ -171,15 +175,15 @@ class Lane:
         )
 
     def is_live(self) -> bool:
-        return self.forward.is_live() and all(back.is_live() for back in self.backs)
+        return self.down.is_live() and all(ret.is_live() for ret in self.returns)
 
     async def aclose_forcefully(self) -> None:
         # Shielded: in a cancelled context the first close's checkpoint would raise
         # Cancelled and leave the second connection open.
         with trio.CancelScope(shield=True):
-            await self.forward.aclose_forcefully()
-            for back in self.backs:
-                await back.aclose_forcefully()
+            await self.down.aclose_forcefully()
+            for ret in self.returns:
+                await ret.aclose_forcefully()
 
 
 class LanePool:
@@ -260,7 +264,7 @@ class LanePool:
         self, lane_id: int, connect_timeout: float, ready_timeout: float
     ) -> Lane:
         key = secrets.randbits(64)
-        forward = await open_connection(
+        down = await open_connection(
             self.downstream,
             role=_proto.Role.LANE,
             connect_timeout=connect_timeout,
@@ -268,12 +272,12 @@ class LanePool:
             link=self.link,
             secret=self.secret,
         )
-        backs: list[FrameStream] = []
+        returns: list[FrameStream] = []
         failure: LaneError | None = None
         try:
             for candidate in alternatives(self.last_stage):  # the last stage and its standbys
                 try:
-                    backs.append(
+                    returns.append(
                         await open_connection(
                             candidate,
                             role=_proto.Role.RETURN,
@@ -286,16 +290,16 @@ class LanePool:
                     )
                 except LaneError as exc:
                     failure = exc
-            if not backs:
+            if not returns:
                 assert failure is not None
                 raise failure
         except BaseException:
             with trio.CancelScope(shield=True):
-                await forward.aclose_forcefully()
-                for back in backs:
-                    await back.aclose_forcefully()
+                await down.aclose_forcefully()
+                for ret in returns:
+                    await ret.aclose_forcefully()
             raise
-        return Lane(lane_id, forward, backs, return_key=key, reply_timeout=self.reply_timeout)
+        return Lane(lane_id, down, returns, return_key=key, reply_timeout=self.reply_timeout)
 
     @asynccontextmanager
     async def checkout(self, request_id: int) -> AsyncIterator[Lane]:

@@ -120,7 +120,7 @@ def fails_upstream(message: Message, *, is_last: bool) -> bool:
     """Whether a stage reports a failure of ``message`` upstream (else on the return path).
 
     Stage 0 listens for predictions from the last stage on the return connection, and for
-    everything else on the lane's forward connection.
+    everything else on the lane's connection down to stage 1 (where acks come up).
     """
     return not (is_last and rule_for(message).owes is Owes.PREDICTIONS)
 
@@ -137,7 +137,7 @@ def check_reply(owed: Owes, reply: Message, *, on_return: bool) -> ReplyCheck:
     """Check a reply read by stage 0 against the table.
 
     ``owed`` is what the request being answered owes; ``on_return`` says whether the reply
-    came on a return connection (from the last stage) or on the lane's forward connection.
+    came on a return connection (from the last stage) or on the lane's connection down to stage 1.
     A ``Cancelled`` answers a ``Cancel`` in place of the predictions it will never send.
     """
     if isinstance(reply, Error):

@@ -47,7 +47,6 @@ __all__ = [
     "Compute",
     "DropQueued",
     "Fail",
-    "Forward",
     "Open",
     "OwedAck",
     "PassOn",
@@ -55,6 +54,7 @@ __all__ = [
     "RememberBlocks",
     "Reply",
     "SendCancelled",
+    "SendDown",
     "SendStatus",
     "StageLane",
     "TrimCache",
@@ -124,7 +124,7 @@ class Compute(Generic[S]):
 
 
 @attrs.frozen
-class Forward(Generic[S]):
+class SendDown(Generic[S]):
     """Send the computed activations of ``message`` downstream.
 
     ``owed`` is the ``Ack`` owed upstream for it (already queued), None when the last stage
@@ -142,7 +142,7 @@ class Forward(Generic[S]):
 class PassOn:
     """Send a message that carries no activations downstream.
 
-    ``owed`` as for `Forward`. ``fresh_session`` at the start of a request on an idle
+    ``owed`` as for `SendDown`. ``fresh_session`` at the start of a request on an idle
     downstream (it owes no acks): a connection that died while the lane was idle may be
     replaced, since the request has no state yet. A hop that still owes acks is not idle: the
     bytes waiting on it are those acks, not a sign of death (replacing it would lose them and
@@ -229,7 +229,7 @@ class DropQueued:
 
 
 Command: TypeAlias = (
-    "Open | Close[Any] | TrimCache[Any] | Compute[Any] | Forward[Any] | PassOn | AckUp"
+    "Open | Close[Any] | TrimCache[Any] | Compute[Any] | SendDown[Any] | PassOn | AckUp"
     " | RelayUp | Reply[Any] | SendCancelled | SendStatus | RememberBlocks[Any] | Fail"
     " | DropQueued"
 )
@@ -334,7 +334,7 @@ class StageLane(Generic[S]):
         predicts = rule_for(message).owes is Owes.PREDICTIONS
         if not self.is_last:
             owed = None if predicts else self._owe(message.request_id, stats, now)
-            return [Forward(message, session, output, stats, owed)]
+            return [SendDown(message, session, output, stats, owed)]
         if not predicts:
             return [AckUp(message.request_id, stats)]
         if isinstance(message, Verify):

@@ -168,8 +168,8 @@ class LaneWorker:
                 session.cache.trim(position)
             case cmd.Compute():
                 await self._compute(command)
-            case cmd.Forward():
-                await self._forward(command)
+            case cmd.SendDown():
+                await self._send_down(command)
             case cmd.PassOn():
                 await self._pass_on(command)
             case cmd.AckUp(request_id, stats, cached):
@@ -299,7 +299,7 @@ class LaneWorker:
             next_commands = lane.computed(message, out, stats, now=time.perf_counter())
         await self._carry_out_all(next_commands)
 
-    async def _forward(self, command: cmd.Forward[Session]) -> None:
+    async def _send_down(self, command: cmd.SendDown[Session]) -> None:
         """Send the activations downstream; an ``Ack`` owed for them gets the write's figures."""
         server, message, out = self.server, command.message, command.output
         down = await self._downstream()

@@ -24,13 +24,9 @@ import json
 import math
 import os
 import pathlib
-import socket
-import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
-from typing import IO, Any
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import trio
@@ -38,7 +34,15 @@ import trio
 from ..._errors import StagerunError
 from ..._util import cpu_seconds
 from ._common import http_exchange, say
-from ._service import _stop_server
+from ._servers import (
+    free_port,
+    launched,
+    llama_command,
+    llama_server_path,
+    serve_accepts,
+    serve_command,
+    stage_pids,
+)
 
 __all__ = ["PROMPTS", "StreamReader", "bench_serve", "percentile", "scaling_ratios"]
 
@@ -61,9 +65,7 @@ PROMPTS: tuple[str, ...] = (
     "At the edge of the desert stood a tiny shop that sold",
     "The scientist stared at the results of the experiment and whispered",
 )
-_HEALTH_DEADLINE_S = 300.0
 _REQUEST_TIMEOUT_S = 600.0
-_LLAMA_SERVER = pathlib.Path(".cache/llama.cpp/bin/llama-server")  # in a checkout of stagerun
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -197,24 +199,6 @@ class _Target:
             await trio.sleep(0.05)
 
 
-def stage_pids(root: int) -> list[int]:
-    """``root`` (stage 0) then its ``stagerun stage`` children, ordered by their ``--index``."""
-    stages: list[tuple[int, int]] = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            argv = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) != root or b"stage" not in argv:
-            continue
-        index = argv.index(b"--index") + 1 if b"--index" in argv else 0
-        stages.append((int(argv[index]) if index else len(stages) + 1, int(entry)))
-    return [root, *(pid for _, pid in sorted(stages))]
-
-
 async def _level(
     target: _Target, clients: int, requests: int
 ) -> tuple[list[Sample], dict[str, Any]]:
@@ -290,89 +274,13 @@ async def _solo(target: _Target) -> list[str]:
     return [(await target.complete(index)).text for index in range(len(target.prompts))]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _tail(log: IO[bytes], lines: int = 25) -> str:
-    log.flush()
-    log.seek(0)
-    return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
-
-
-async def _wait_healthy(proc: trio.Process, port: int, log: IO[bytes], what: str) -> None:
-    """Poll ``/health`` until it answers 200 with status ok, or fail saying why."""
-    deadline = trio.current_time() + _HEALTH_DEADLINE_S
-    while trio.current_time() < deadline:
-        if proc.poll() is not None:
-            raise StagerunError(f"{what} exited with code {proc.returncode} before it was "
-                                f"healthy; its output ended with:\n{_tail(log)}")  # fmt: skip
-        try:
-            with trio.fail_after(5):
-                status, body = await http_exchange("127.0.0.1", port, "GET", "/health")
-            if status == 200 and json.loads(body).get("status") == "ok":
-                return
-        except (OSError, ValueError, trio.TooSlowError, trio.BrokenResourceError):
-            pass  # not listening yet, or still loading
-        await trio.sleep(0.2)
-    raise StagerunError(
-        f"{what} was not healthy on port {port} within {_HEALTH_DEADLINE_S:.0f}s; "
-        f"its output ended with:\n{_tail(log)}"
-    )
-
-
-@asynccontextmanager
-async def _launched(cmd: Sequence[str], port: int, what: str) -> AsyncIterator[trio.Process]:
-    """A server started from ``cmd``, once it is healthy on ``port``; stopped on the way out."""
-    with tempfile.TemporaryFile() as log:
-        proc = await trio.lowlevel.open_process(list(cmd), stdout=log, stderr=log)
-        try:
-            await _wait_healthy(proc, port, log, what)
-            yield proc
-        finally:
-            await _stop_server(proc)
-
-
-def serve_command(args: argparse.Namespace, port: int) -> list[str]:
-    """The ``stagerun serve`` command line the options ask for.
-
-    Its queue holds every client, so none is turned away; how many generate at once is the
-    server's ``--max-batch``, its default unless the bench is given one.
-    """
-    most = max(args.clients)
-    cmd = [sys.executable, "-m", "stagerun", "serve", "--host", "127.0.0.1",
-           "--port", str(port), "--model", args.model, "--stages", str(args.stages),
-           "--max-queue", str(most)]  # fmt: skip
-    if args.hop_delay_ms:
-        cmd += ["--hop-delay-ms", f"{args.hop_delay_ms:g}"]
-    if args.bandwidth_mbps is not None:
-        cmd += ["--bandwidth-mbps", f"{args.bandwidth_mbps:g}"]
-    if args.speculative != "off":
-        cmd += ["--speculative", args.speculative]
-    for option in ("threads", "depth", "window", "draft_model", "max_batch"):
-        if (value := getattr(args, option)) is not None:
-            cmd += ["--" + option.replace("_", "-"), str(value)]
-    return cmd + list(args.serve_arg)
-
-
-def _serve_accepts(option: str) -> bool:
-    """Whether this version's ``stagerun serve`` has ``option``."""
-    from .._options import build_parser
-
-    _, unknown = build_parser().parse_known_args(["serve", option, "1"])
-    return option not in unknown
-
-
 async def _measure_stagerun(args: argparse.Namespace, prompts: tuple[str, ...]) -> dict[str, Any]:
     from ...server._serve import served_model_id
 
-    port = _free_port()
+    port = free_port()
     cmd = serve_command(args, port)
     say(args, "starting " + " ".join(cmd[2:]))
-    async with _launched(cmd, port, "stagerun serve") as proc:
+    async with launched(cmd, port, "stagerun serve") as proc:
         target = _Target("stagerun", port, proc.pid, served_model_id(args.model), prompts,
                          args.tokens, chat=args.prompts == "copy")  # fmt: skip
         solo = await _solo(target)
@@ -388,24 +296,6 @@ def _curve(levels: list[dict[str, Any]]) -> dict[str, Any]:
     return {"levels": levels, "scaling": {str(n): r for n, r in ratios.items()}}
 
 
-def llama_server_path(args: argparse.Namespace) -> pathlib.Path:
-    """``--llama-server``, else the checkout's ``.cache/llama.cpp/bin/llama-server``."""
-    if args.llama_server:
-        return pathlib.Path(args.llama_server)
-    checkout = pathlib.Path(__file__).resolve().parents[3] / _LLAMA_SERVER
-    return checkout if checkout.is_file() else _LLAMA_SERVER
-
-
-def llama_command(
-    args: argparse.Namespace, gguf: pathlib.Path, clients: int, port: int
-) -> list[str]:
-    """``llama-server`` with ``clients`` slots, each with room for a prompt and --tokens."""
-    binary = str(llama_server_path(args))
-    per_slot = max(512, args.tokens + 256)
-    return [binary, "-m", str(gguf), "-np", str(clients), "-c", str(clients * per_slot),
-            "--host", "127.0.0.1", "--port", str(port), "-t", str(args.llama_threads)]  # fmt: skip
-
-
 async def _measure_llama(args: argparse.Namespace, prompts: tuple[str, ...]) -> dict[str, Any]:
     from ...model import resolve_model
 
@@ -413,10 +303,10 @@ async def _measure_llama(args: argparse.Namespace, prompts: tuple[str, ...]) -> 
     solo: list[str] | None = None
     levels = []
     for clients in args.clients:
-        port = _free_port()
+        port = free_port()
         cmd = llama_command(args, gguf, clients, port)
         say(args, "starting " + " ".join(cmd))
-        async with _launched(cmd, port, "llama-server") as proc:
+        async with launched(cmd, port, "llama-server") as proc:
             target = _Target("llama-server", port, proc.pid, gguf.stem, prompts, args.tokens,
                              chat=args.prompts == "copy")  # fmt: skip
             if solo is None:
@@ -432,14 +322,14 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("stages", "tokens", "requests_per_client"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_batch is not None and not _serve_accepts("--max-batch"):
+    if args.max_batch is not None and not serve_accepts("--max-batch"):
         raise ValueError("this stagerun serve has no --max-batch option; leave --max-batch out")
     if args.compare_llama_server:
         binary = llama_server_path(args)
         if not (binary.is_file() and os.access(binary, os.X_OK)):
             raise ValueError(f"no llama-server at {binary}: give its path with --llama-server")
     if args.png:
-        from .._report import require_matplotlib
+        from .._plots import require_matplotlib
 
         require_matplotlib()  # fail before minutes of measuring, not after
 
@@ -525,7 +415,7 @@ def _print_report(report: Mapping[str, Any]) -> None:
 
 def plot_scaling(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
     """Tokens/s against client count, a line for stagerun and one for llama-server if run."""
-    from .._report import require_matplotlib
+    from .._plots import require_matplotlib
 
     plt = require_matplotlib()
     figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120, layout="constrained")

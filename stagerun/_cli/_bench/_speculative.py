@@ -57,7 +57,7 @@ async def bench_speculative(args: argparse.Namespace) -> int:
         raise ValueError("give either --hop-delay-ms or --hop-delays, not both")
     delays: list[float] = args.hop_delays or [args.hop_delay_ms]
     if args.png:
-        from .._report import require_matplotlib
+        from .._plots import require_matplotlib
 
         require_matplotlib()  # fail before minutes of measuring, not after
     results = [await _speculative_at(args, delay) for delay in delays]
@@ -69,7 +69,7 @@ async def bench_speculative(args: argparse.Namespace) -> int:
         report = {key: results[0][key] for key in common}
         report["sweep"] = [{k: v for k, v in row.items() if k not in common} for row in results]
     if args.png:
-        from .._report import plot_hop_sweep
+        from .._plots import plot_hop_sweep
 
         plot_hop_sweep(
             results,
@@ -251,7 +251,7 @@ async def bench_timeline(args: argparse.Namespace) -> int:
 
     count = _timeline_count(args)
     if args.png:
-        from .._report import require_matplotlib
+        from .._plots import require_matplotlib
 
         require_matplotlib()
     report: dict[str, Any] = {"benchmark": "timeline"}
@@ -300,7 +300,7 @@ def _report_one(
     args: argparse.Namespace, timeline: Timeline, report: dict[str, Any], setting: str | None
 ) -> None:
     """Print (and draw) one request's timeline: per stage, each kind's milliseconds."""
-    from .._report import plot_timeline
+    from .._plots import plot_timeline
 
     totals = timeline.totals()
     report.update(
@@ -342,7 +342,8 @@ def _report_many(
     setting: str | None,
 ) -> None:
     """Print (and draw) the last ``count`` requests to finish (None: all of them) together."""
-    from .._report import finished_requests, plot_requests_timeline, requests_timeline
+    from .._plots import plot_requests_timeline
+    from .._report import finished_requests, requests_timeline
 
     request_ids = finished_requests(records)
     if count is not None:
