@@ -282,26 +282,27 @@ class StageLane(Generic[S]):
             trim: list[Command] = []
             if (session := self.sessions.get(rid)) is not None:
                 trim.append(TrimCache(session, message.position))
-            return [*trim, self._ack(message, _ONE_STAGE, now=now)]
+            return [*trim, *self._onward(message, now=now)]
         if isinstance(message, Stop):
             stop: list[Command] = []
             if (ended := self.sessions.pop(rid, None)) is not None:
                 stop.append(Close(rid, ended, summarize=True))
             self.replied.pop(rid, None)
-            return [*stop, self._ack(message, _ONE_STAGE, now=now)]
+            return [*stop, *self._onward(message, now=now)]
         if isinstance(message, Cancel):
             if not self.is_last:
-                return [PassOn(message, owed=None)]
+                return self._onward(message, now=now)
+            # the last stage answers in place of the predictions it will never send
             answered = self.replied.get(rid, set())
             unanswered = tuple(w for w in message.window_ids if w not in answered)
             return [SendCancelled(rid, message.epoch, unanswered)]
         if isinstance(message, Remember):
-            remember: list[Command] = [] if self.is_last else [PassOn(message, owed=None)]
+            remember = self._onward(message, now=now)
             if (session := self.sessions.get(rid)) is not None:
                 remember.append(RememberBlocks(session, message.prefix))
             return remember
         if isinstance(message, Probe):
-            return [SendStatus(rid)]
+            return self._onward(message, now=now)
         raise ProtocolError(f"no rule for a {type(message).__name__} read from upstream")
 
     def read_ahead(self, cancel: Cancel) -> list[Command]:
@@ -319,7 +320,7 @@ class StageLane(Generic[S]):
     def opened(self, message: Configure, session: S, *, cached: int, now: float) -> list[Command]:
         """The shell opened the session ``message`` asked for, restoring ``cached`` positions."""
         self.sessions[message.request_id] = session
-        return [self._ack(message, _ONE_STAGE, cached=cached, fresh_session=True, now=now)]
+        return self._onward(message, cached=cached, fresh_session=True, now=now)
 
     def refused(self, message: Configure, text: str) -> list[Command]:
         """The shell could not open the session: stage 0 hears why, and its prefill is refused."""
@@ -399,6 +400,22 @@ class StageLane(Generic[S]):
         if isinstance(message, Verify):
             self.current, self.current_cancelled = message, False
         return [Compute(message, session, activations)]
+
+    def _onward(
+        self, message: Message, *, cached: int = 0, fresh_session: bool = False, now: float
+    ) -> list[Command]:
+        """What the table says of a message this stage has done its part of (not a compute)."""
+        rule = rule_for(message)
+        if rule.owes is Owes.ACK:
+            return [
+                self._ack(message, _ONE_STAGE, cached=cached, fresh_session=fresh_session, now=now)
+            ]
+        if rule.owes is Owes.STATUS:
+            return [SendStatus(message.request_id)]
+        if rule.owes is Owes.NOTHING:
+            passed = rule.passed_on and not self.is_last
+            return [PassOn(message, owed=None)] if passed else []
+        raise ProtocolError(f"a {type(message).__name__} is answered only after a compute")
 
     def _ack(
         self,
