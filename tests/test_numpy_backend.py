@@ -352,7 +352,9 @@ def test_decode_speed_has_no_float64_slowdown(
 
     The two are timed side by side, in alternating rounds, so a busy machine slows both; the
     best round of each is compared. Float64 promotion anywhere in a block (which turns every
-    matmul into a float64 one, about 6x slower here) would make them about equal.
+    matmul into a float64 one) would make them about equal. Measured: float64 decode is
+    2.5-2.8x slower on a 2-core AMD EPYC (one decode row padded to a 4-row gemm), about 6x
+    on the Xeon this test was first written on.
     """
     promoted = copy.copy(smollm2_backend)
     assert smollm2_backend._embd is not None
@@ -372,10 +374,10 @@ def test_decode_speed_has_no_float64_slowdown(
     for _ in range(3):
         f32.append(seconds_per_token(smollm2_backend, 4))
         f64.append(seconds_per_token(promoted, 1))
-    assert min(f64) > 3 * min(f32), (f32, f64)
+    assert min(f64) > 2 * min(f32), (f32, f64)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 70])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 12, 70])
 @pytest.mark.parametrize("n_out", [64, 100, 1])
 def test_panel_matmul_equals_plain_matmul(rows: int, n_out: int) -> None:
     rng = np.random.default_rng(rows * 1000 + n_out)
@@ -384,3 +386,18 @@ def test_panel_matmul_equals_plain_matmul(rows: int, n_out: int) -> None:
     got = _numpy._matmul(x, _numpy._Panels(w))
     assert got.shape == (rows, n_out) and got.dtype == np.float32
     np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_in", [192, 576])
+@pytest.mark.parametrize("rows", [3, 5, 8, 12, 13, 21])
+def test_each_row_of_a_product_has_the_bits_it_has_alone(rows: int, n_in: int) -> None:
+    """4- and 8-row gemm calls mixed in one product give every row its bits computed alone.
+
+    (16-row calls would not: on AVX2 kernels their rows differ with 192 inputs.)
+    """
+    rng = np.random.default_rng(rows)
+    panels = _numpy._Panels(rng.standard_normal((n_in, 300)).astype(np.float32))
+    x = rng.standard_normal((rows, n_in)).astype(np.float32)
+    together = _numpy._matmul(x, panels)
+    alone = np.concatenate([_numpy._matmul(x[i : i + 1], panels) for i in range(rows)])
+    assert np.array_equal(together, alone)

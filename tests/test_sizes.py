@@ -24,7 +24,6 @@ MAX_FUNCTION_LINES = 80
 DECLARATIVE: dict[str, str] = {}
 
 
-
 def _functions(
     node: ast.AST, prefix: str = ""
 ) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:

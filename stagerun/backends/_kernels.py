@@ -13,7 +13,8 @@ import numpy.typing as npt
 
 F32 = npt.NDArray[np.float32]
 _PANEL = 64  # columns per weight panel
-_GEMM_ROWS = 4  # rows of every gemm call: one kernel path for every row (see `_numpy`)
+_GEMM_ROWS = 4  # rows of every small gemm call: one kernel path for every row (see `_numpy`)
+_WIDE_GEMM_ROWS = 8  # rows of the matrices' calls past 4 rows: the same bits per row as 4
 
 
 class _Panels:
@@ -24,11 +25,10 @@ class _Panels:
     zero columns up to a multiple of the panel width.
     """
 
-    __slots__ = ("data", "n_out", "row_block")
+    __slots__ = ("data", "n_out")
 
     def __init__(self, w: F32, gain: F32 | None = None) -> None:
         self.data, self.n_out = _panel_data(w.T, gain), w.shape[1]
-        self.row_block = _GEMM_ROWS
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -54,14 +54,26 @@ def _in_blocks(x: F32, rows: int, axis: int) -> F32:
 def _matmul(x: F32, w: _Panels) -> F32:
     """``x @ W`` for ``x`` of shape ``[T, in]``: ``[T, out]``, each row independent of the others.
 
-    Every gemm call computes exactly ``w.row_block`` rows of one panel, so each row takes
-    the same kernel path whatever the rows beside it (see `_numpy`'s module docstring).
+    Every gemm call computes exactly 4 or 8 rows of one panel, which put each row through the
+    same kernel path whatever the rows beside it (see `_numpy`'s module docstring): up to 4
+    rows in one 4-row call, more in 8-row calls (a panel read once per 8 rows, not per 4),
+    the last 1-4 of them in a 4-row call.
     """
     n = x.shape[0]
-    rows = min(w.row_block, max(n, _GEMM_ROWS))  # a block is never padded past the rows there are
+    if n <= _GEMM_ROWS:
+        return _blocked_matmul(x, w, _GEMM_ROWS)
+    wide = n - n % _WIDE_GEMM_ROWS if 0 < n % _WIDE_GEMM_ROWS <= _GEMM_ROWS else n
+    if wide == n:
+        return _blocked_matmul(x, w, _WIDE_GEMM_ROWS)
+    head = _blocked_matmul(x[:wide], w, _WIDE_GEMM_ROWS)
+    return np.concatenate([head, _blocked_matmul(x[wide:], w, _GEMM_ROWS)])
+
+
+def _blocked_matmul(x: F32, w: _Panels, rows: int) -> F32:
+    """``x @ W`` in gemm calls of exactly ``rows`` rows (the last block padded with zeros)."""
     y = np.matmul(_in_blocks(x, rows, 0)[:, None], w.data)  # [C, P, rows, PANEL]
     out: F32 = y.transpose(0, 2, 1, 3).reshape(-1, y.shape[1] * _PANEL)
-    return out[:n, : w.n_out]
+    return out[: x.shape[0], : w.n_out]
 
 
 def _panels(w: F32, gain: F32 | None = None) -> _Panels:

@@ -15,14 +15,17 @@ is how the weights are laid out and how many numpy calls each layer makes:
   on plain ``(in, out)`` weights 2..16 rows cost 2-5x one row; on panels a 5-token verify
   window costs 1.3-1.5x a one-token step (10 layers, 1 thread: 8.3 vs 6.3 ms; was 17.9 vs
   7.6 ms).
-* Every gemm call computes exactly `_GEMM_ROWS` rows (the last block padded with zero rows),
-  in the matrices and in the attention alike. OpenBLAS sums a row in an order that depends
-  on where the row falls in its call: on AVX2 cores (Haswell kernels, AMD Zen included) the
-  rows of whole 12- and 24-row tiles sum in one order and the remainder rows (8, 4, 2, 1) in
-  others, so a row's bits would depend on how many rows came with it. Calls of one fixed
-  small shape put every row through the same kernel path: measured on Zen with 1 and 2
-  threads, 4-row calls give every row bitwise the same result whatever its place and the
-  other rows (12-row calls do not), and cost no more per row than 2-row calls.
+* Every gemm call computes exactly 4 or 8 rows (the last block padded with zero rows): the
+  attention's calls 4 (`_GEMM_ROWS`), the matrices' 4 up to 4 rows and 8 past that
+  (`_WIDE_GEMM_ROWS`, the last 1-4 rows in a 4-row call). OpenBLAS sums a row in an order
+  that depends on where the row falls in its call: on AVX2 cores (Haswell kernels, AMD Zen
+  included) the rows of whole 12- and 24-row tiles sum in one order and the remainder rows
+  (8, 4, 2, 1) in others, so a row's bits would depend on how many rows came with it. Calls
+  of a fixed small shape put every row through the same kernel path: measured on Zen with 1
+  and 2 threads, 4- and 8-row calls give every row bitwise the same result, whatever its
+  place and the other rows (12- and 16-row calls do not). A 4-row call costs no more per row
+  than a 2-row one; past 4 rows an 8-row call reads each panel once instead of twice (8
+  gathered decode rows: 82 us a panel set against 108 us in two 4-row calls).
 * The weight rewrites of `stagerun.model.fuse_layer`: Q/K/V and gate/up fused, RMSNorm gains
   folded into the following matrix, 1/sqrt(head_dim) into W_q, and the Q/K rows of each head
   reordered so that RoPE rotates the halves ``(i, i + head_dim/2)`` with contiguous slices and
