@@ -211,6 +211,34 @@ async def test_stages_drop_queued_stale_windows_and_stop_stale_computes(
     assert all(c < opened + 1 for c in computed), (computed, opened)
 
 
+async def test_a_stale_window_answered_anyway_is_charged_what_it_cost_stage_0(
+    tiny: Path,
+) -> None:
+    """Stage 0 measures each window (its compute, its write, the wait for the reply, the
+    drain) and a window that went stale but was answered is charged all of it."""
+    async with open_pipeline(tiny, layers=split_layers(6, 3)) as pipeline:
+        plain = await pipeline.complete(PROMPT, max_tokens=24, sampling=SAMPLED)
+        drafter = OracleDrafter(
+            plain.prompt_token_ids + plain.token_ids,
+            error_rate=0.5,
+            vocab_size=pipeline.config.vocab_size,
+        )
+        result = await pipeline.complete(
+            PROMPT,
+            max_tokens=24,
+            sampling=SAMPLED,
+            speculation=SpeculationConfig("ngram", depth=4, window=2, adaptive=False),
+            drafter=drafter,
+        )
+    assert result.token_ids == plain.token_ids
+    stale = {k: v for k, v in result.timings.items() if k.startswith("verify_window_stale_")}
+    print(stale)
+    assert stale["verify_window_stale_verify_elapsed_ms"] > 0, "no stale window was answered"
+    for part in ("stage0_compute", "forward_write", "downstream_wait"):
+        assert stale[f"verify_window_stale_{part}_ms"] > 0, part
+    assert stale["verify_window_stale_drain_ms"] >= 0
+
+
 async def test_draft_model_drafter_end_to_end(tiny: Path) -> None:
     config = SpeculationConfig("draft-model", depth=4, window=4, draft_model=str(tiny))
     async with open_pipeline(tiny, stages=3) as pipeline:

@@ -39,10 +39,11 @@ class DraftRequest:
 class WindowTimings:
     """What a window cost stage 0, in milliseconds (used for stale windows' accounting).
 
-    Without one, :meth:`SpeculationController.on_predictions` counts a stale window's round
-    trip (from :meth:`~SpeculationController.open_window` to its reply) as its
-    ``verify_elapsed_ms``, and the parts it cannot see (draining, stage 0's compute, the
-    write, the wait downstream) as 0.
+    :meth:`SpeculationController.on_predictions` counts a stale window's round trip (from
+    :meth:`~SpeculationController.open_window` to its reply) as its ``verify_elapsed_ms``
+    unless one is given here (0 means not given), and the parts only the shell sees
+    (draining, stage 0's compute, the write, the wait downstream) from these timings, 0
+    without them. `stagerun._driver._speculative.SpeculativeDecode` measures every window.
     """
 
     drain_ms: float = 0.0

@@ -359,7 +359,7 @@ class SpeculationController:
         self.scheduler.complete_next(window_id, now_ms=now_ms)
         self._horizon_dry = False
         if window.stale:
-            cost = timings or WindowTimings(verify_elapsed_ms=round_trip or 0.0)
+            cost = _stale_cost(timings, round_trip or 0.0)
             self.scheduler.record_stale_execution(*attrs.astuple(cost))
             return []
         if window.starts_epoch:
@@ -461,3 +461,13 @@ class SpeculationController:
             self._width = min(self._width + 1, self._max_width)
         elif verdict.kind is VerdictKind.EARLY_REJECT:
             self._width = max(self._width - 1, 1)
+
+
+def _stale_cost(timings: WindowTimings | None, round_trip_ms: float) -> WindowTimings:
+    """What a stale window cost: the shell's timings, with the round trip the controller
+    measured as its verify time unless the shell gave one."""
+    if timings is None:
+        return WindowTimings(verify_elapsed_ms=round_trip_ms)
+    if timings.verify_elapsed_ms:
+        return timings
+    return attrs.evolve(timings, verify_elapsed_ms=round_trip_ms)

@@ -39,6 +39,7 @@ from .._decide import (
     SendWindow,
     SpeculationController,
     SpeculationTimings,
+    WindowTimings,
 )
 from .._errors import LaneError, StageError
 from .._util import one_failure, single_exceptions
@@ -137,6 +138,9 @@ class SpeculativeDecode:
         drafter.commit(history[prompt_len:])
         self._tel = telemetry.current()
         self._opened_ns: dict[int, tuple[int, int]] = {}  # window id -> (opened at, inputs)
+        # window id -> (stage 0's compute, its write, when the write ended), in ms: what a
+        # window turning out stale cost stage 0 (the controller counts it; see WindowTimings)
+        self._costs: dict[int, tuple[float, float, float]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -153,11 +157,11 @@ class SpeculativeDecode:
         # The reader and the sender often see one broken lane at once: that is one lane failure.
         with single_exceptions(), one_failure((LaneError, StageError)):
             async with trio.open_nursery() as nursery:
-                send_channel, replies = trio.open_memory_channel[_Reply](math.inf)
+                send_channel, replies = trio.open_memory_channel[tuple[_Reply, float]](math.inf)
                 nursery.start_soon(self._read_replies, self.lane, send_channel)
                 await self.fill()
                 while not self.controller.drained:
-                    await self._on_reply(await replies.receive())
+                    await self._on_reply(*await replies.receive())
                     await self.fill()
                 nursery.cancel_scope.cancel()  # the reader waits for a reply that will not come
         return self.timings(), self.controller.finish_reason
@@ -165,15 +169,18 @@ class SpeculativeDecode:
     async def _read_replies(
         self,
         lane: Route,
-        channel: trio.MemorySendChannel[_Reply],
+        channel: trio.MemorySendChannel[tuple[_Reply, float]],
     ) -> None:
         # Replies are read the moment they arrive, also while stage 0 drafts and computes the
         # next window: a reply read late would be committed late (and an emulated link, which
         # starts a frame's delay when it is read, would charge the wait twice).
         while True:
-            channel.send_nowait(await lane.receive_reply(self.request_id))
+            reply = await lane.receive_reply(self.request_id)
+            channel.send_nowait((reply, self.now_ms()))  # and when it arrived
 
-    async def _on_reply(self, reply: _proto.Predictions | _proto.Cancelled) -> None:
+    async def _on_reply(
+        self, reply: _proto.Predictions | _proto.Cancelled, arrived_ms: float
+    ) -> None:
         controller = self.controller
         before = controller.stats()
         was_stale = (
@@ -182,10 +189,15 @@ class SpeculativeDecode:
             and any(w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight)
         )
         if isinstance(reply, _proto.Cancelled):
+            for window_id in reply.window_ids:
+                self._costs.pop(window_id, None)
             controller.on_cancelled(reply.window_ids, now_ms=self.now_ms())
         else:
+            timings = self._window_timings(reply.window_id, arrived_ms)
             await self.apply(
-                controller.on_predictions(reply.window_id, reply.tokens, now_ms=self.now_ms())
+                controller.on_predictions(
+                    reply.window_id, reply.tokens, now_ms=self.now_ms(), timings=timings
+                )
             )
         if self._tel.enabled:
             _window_spans(
@@ -196,6 +208,25 @@ class SpeculativeDecode:
                 controller.stats().accepted - before.accepted,
                 was_stale,
             )
+
+    def _window_timings(self, window_id: int, arrived_ms: float) -> WindowTimings | None:
+        """What window ``window_id`` cost stage 0, for the controller's stale-work counters.
+
+        Replies come in window order, so the costs of earlier windows (answered, or dropped
+        unanswered) are forgotten too: the map holds only windows in flight.
+        """
+        cost = self._costs.pop(window_id, None)
+        for earlier in [w for w in self._costs if w < window_id]:
+            del self._costs[earlier]
+        if cost is None:
+            return None
+        compute_ms, write_ms, sent_ms = cost
+        return WindowTimings(
+            drain_ms=max(0.0, self.now_ms() - arrived_ms),  # read, then waiting to be handled
+            stage0_compute_ms=compute_ms,
+            forward_write_ms=write_ms,
+            downstream_wait_ms=max(0.0, arrived_ms - sent_ms),
+        )
 
     def _live_in_flight(self) -> int:
         return sum(not window.stale for window in self.controller.scheduler.in_flight)
@@ -256,8 +287,12 @@ class SpeculativeDecode:
         )
         # Stage 0's own rows: logits on a one-stage pipeline (the route samples them),
         # hidden states otherwise.
+        started = self.now_ms()
         out = await self.request.compute(message)
+        computed = self.now_ms()
         await self.lane.send(message, out, self.request.wire_dtype)
+        sent = self.now_ms()
+        self._costs[window.id] = (computed - started, sent - computed, sent)
 
     async def cancel(self, epoch: int, window_ids: tuple[int, ...]) -> None:
         if window_ids:
