@@ -210,17 +210,24 @@ def decode_token(request_id: int, step: int, position: int, started_ns: int) -> 
 
 
 def decode_finished(
-    request_id: int, first_ns: int, tokens: int, *, speculative: bool, elapsed_ms: float
+    request_id: int,
+    first_ns: int,
+    tokens: int,
+    *,
+    elapsed_ms: float,
+    windows: Mapping[str, Any] | None = None,
 ) -> None:
-    """A request's decode, from its first token."""
+    """A request's decode, from its first token; a speculative one's verify-window counters
+    (``windows``, already named ``llama_stage.verify_window.*``) ride along."""
     telemetry.current().span(
         "stage.openai_decode",
         first_ns,
         {
             "llama_stage.request_id": request_id,
             "llama_stage.token_count": tokens,
-            "llama_stage.speculative": speculative,
+            "llama_stage.speculative": windows is not None,
             "llama_stage.elapsed_ms": elapsed_ms,
+            **(windows or {}),
         },
     )
 

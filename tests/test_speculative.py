@@ -344,6 +344,18 @@ async def test_stale_windows_are_dropped_before_starting_or_stopped_at_a_named_l
     )
     assert dropped > 0, "no stale window was dropped before it started"
     assert stopped > 0, "no stale compute was stopped part-way"
+    # the decode span carries the verify-window counters, as the response's timings do
+    (decode,) = [
+        r
+        for r in records
+        if r.name == "stage.openai_decode" and r.attributes["llama_stage.speculative"]
+    ]
+    for name in ("horizon_refill_attempts", "horizon_refill_tokens"):
+        assert (
+            decode.attributes[f"llama_stage.verify_window.{name}"]
+            == timings[f"verify_window_{name}"]
+        )
+    assert decode.attributes["llama_stage.verify_window.horizon_refill_attempts"] > 0
     # A window stopped (or dropped) by one stage never reaches the next: at most one each.
     assert dropped + stopped <= marked
     stopped_spans = collections.Counter(

@@ -66,7 +66,6 @@ def test_discards_stale_windows_after_divergence() -> None:
     for step in range(3):
         scheduler.open(10 + step, step, now_ms=0.0)
     assert scheduler.discard_stale(now_ms=0.0) == 3
-    assert scheduler.stale_discard_count() == 3
     assert scheduler.in_flight_len() == 0
     assert scheduler.stats(0.0).stale_discarded == 3
 
@@ -239,7 +238,7 @@ def test_windows_carry_epoch_inputs_and_stale_flag() -> None:
     second = scheduler.open(
         107, 7, now_ms=0.0, epoch=1, inputs=(13, 14), proposal=(13, 14), starts_epoch=False
     )
-    assert (first.planned_advance, second.planned_advance) == (2, 2)
+    assert (len(first.proposal), len(second.proposal)) == (2, 2)  # what each would advance
     assert not first.stale and first.starts_epoch and not second.starts_epoch
     scheduler.complete_next(first.id, now_ms=0.0)
     third = scheduler.open(106, 6, now_ms=0.0, epoch=2, inputs=(20,))

@@ -71,11 +71,6 @@ class VerifyWindow:
     starts_epoch: bool = True
     stale: bool = False
 
-    @property
-    def planned_advance(self) -> int:
-        """Committed tokens gained if the window is fully accepted and later ones depend on it."""
-        return len(self.proposal)
-
 
 @attrs.frozen
 class VerifyWindowStats:
@@ -195,9 +190,6 @@ class VerifyWindowScheduler:
     def supports_pipelining(self, width: int) -> bool:
         """Whether windows of ``width`` drafts may overlap: depth above 1 and a non-empty width."""
         return self._depth > 1 and width > 0
-
-    def stale_discard_count(self) -> int:
-        return self._tally.stale_discarded
 
     # --- opening and completing ----------------------------------------------------------------
 

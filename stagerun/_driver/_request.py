@@ -33,6 +33,7 @@ import trio
 from .. import _proto, _spans, telemetry
 from .._decide import SpeculationTimings
 from .._decide._prefill import ChunkPolicy
+from .._decide._windows import telemetry_attributes
 from .._engine import Session, StageEngine
 from .._errors import LaneError, RecoveryFailedError, StageError, StageGivenUpError
 from .._text import TextAssembler
@@ -412,9 +413,12 @@ class Request:
         start_ns = telemetry.now_ns() - int((t_end - self.t_start) * 1e9)
         first_ns = start_ns + int((self.t_first - self.t_start) * 1e9)
         n = len(self.generated)
-        speculative = self.drafter is not None
+        windows = None
+        if self.drafter is not None:
+            speculation = timings.speculation
+            windows = {} if speculation is None else telemetry_attributes(speculation.windows)
         _spans.decode_finished(
-            self.request_id, first_ns, n, speculative=speculative, elapsed_ms=timings.predicted_ms
+            self.request_id, first_ns, n, elapsed_ms=timings.predicted_ms, windows=windows
         )
         summary = {
             "prompt_token_count": len(self.prompt_ids),
