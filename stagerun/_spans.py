@@ -100,56 +100,45 @@ def stage_received(stage_index: int, message: _proto.Message, started_ns: int) -
         )
 
 
+def _message_span(
+    name: str,
+    stage_index: int,
+    message: _proto.ActivationMessage,
+    seconds: float,
+    extra: Mapping[str, Any],
+) -> None:
+    """A debug span of ``seconds`` ending now, about one computed message (the caller has
+    checked the debug guard, so nothing is built when debug telemetry is off)."""
+    attributes = {**compute_attributes(stage_index, message), **extra}
+    attributes["llama_stage.elapsed_ms"] = seconds * 1000.0
+    telemetry.current().debug_span(name, now_ns() - int(seconds * 1e9), attributes)
+
+
 def stage_computed(
     stage_index: int, message: _proto.ActivationMessage, seconds: float, batch: int
 ) -> None:
     """Debug: a stage computed ``message`` in a tick of ``seconds`` with ``batch`` items."""
-    tel = telemetry.current()
-    if tel.debug_enabled:
-        tel.debug_span(
-            "stage.binary_llama_decode",
-            now_ns() - int(seconds * 1e9),
-            {
-                **compute_attributes(stage_index, message),
-                "llama_stage.elapsed_ms": seconds * 1000.0,
-                "llama_stage.batch_size": batch,
-            },
-        )
+    if telemetry.current().debug_enabled:
+        extra = {"llama_stage.batch_size": batch}
+        _message_span("stage.binary_llama_decode", stage_index, message, seconds, extra)
 
 
 def stage_stopped(
     stage_index: int, message: _proto.ActivationMessage, layer: int, seconds: float
 ) -> None:
     """Debug: a stale verify window's compute stopped before ``layer``."""
-    tel = telemetry.current()
-    if tel.debug_enabled:
-        tel.debug_span(
-            "stage.binary_llama_decode",
-            now_ns() - int(seconds * 1e9),
-            {
-                **compute_attributes(stage_index, message),
-                "llama_stage.compute_stopped": True,
-                "llama_stage.compute_stopped_layer": layer,
-                "llama_stage.elapsed_ms": seconds * 1000.0,
-            },
-        )
+    if telemetry.current().debug_enabled:
+        extra = {"llama_stage.compute_stopped": True, "llama_stage.compute_stopped_layer": layer}
+        _message_span("stage.binary_llama_decode", stage_index, message, seconds, extra)
 
 
 def stage_forwarded(
     stage_index: int, message: _proto.ActivationMessage, nbytes: int, write_us: int
 ) -> None:
     """Debug: a middle stage wrote ``nbytes`` of activations downstream in ``write_us``."""
-    tel = telemetry.current()
-    if tel.debug_enabled:
-        tel.debug_span(
-            "stage.binary_downstream_write",
-            now_ns() - write_us * 1000,
-            {
-                **compute_attributes(stage_index, message),
-                "llama_stage.forward_activation_bytes": nbytes,
-                "llama_stage.elapsed_ms": write_us / 1000.0,
-            },
-        )
+    if telemetry.current().debug_enabled:
+        extra = {"llama_stage.forward_activation_bytes": nbytes}
+        _message_span("stage.binary_downstream_write", stage_index, message, write_us / 1e6, extra)
 
 
 def stage_request_summary(
