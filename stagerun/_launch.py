@@ -108,9 +108,12 @@ async def open_pipeline(
     )
     with single_exceptions(), _own_secret(config) as auth:
         async with trio.open_nursery() as nursery:
-            infos = [StageInfo(0, first.layers, None)]
+            infos = [StageInfo(0, first.layers, None, backend=first.backend)]
             if config.remote is not None:
-                infos += [StageInfo(st.index, st.layers, st.remote) for st in layout.stages[1:]]
+                infos += [
+                    StageInfo(st.index, st.layers, st.remote, backend=st.backend)
+                    for st in layout.stages[1:]
+                ]
             else:
                 infos += await _start_stages(nursery, model_file, config, layout, auth)
             addresses = [s.address for s in infos[1:] if s.address is not None]
@@ -183,7 +186,9 @@ async def _start_stages(
                 )
             )
             address = await nursery.start(serve_stage, stage_backend, settings)
-            started.append(StageInfo(stage.index, stage.layers, address, os.getpid()))
+            started.append(
+                StageInfo(stage.index, stage.layers, address, os.getpid(), backend=stage.backend)
+            )
         else:
             process = StageProcess(
                 stage.index,
@@ -196,7 +201,14 @@ async def _start_stages(
             await nursery.start(process.run)
             address = process.address
             started.append(
-                StageInfo(stage.index, stage.layers, address, process.pid, process=process)
+                StageInfo(
+                    stage.index,
+                    stage.layers,
+                    address,
+                    process.pid,
+                    backend=stage.backend,
+                    process=process,
+                )
             )
         downstream = address
     return started[::-1]

@@ -116,3 +116,16 @@ def raise_open_file_limit() -> int | None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return None if soft == resource.RLIM_INFINITY else soft
+
+
+def default_threads(stages_on_host: int = 1) -> int:
+    """Compute threads for one of ``stages_on_host`` stages sharing this host's cores.
+
+    The cores are the ones this process may run on (its affinity), shared out evenly, at
+    least one each.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, stages_on_host))

@@ -196,7 +196,8 @@ class ComputeBackend(abc.ABC):
         The first stage takes ``tokens`` (T ids), the others ``hidden`` (``[T, d_model]``). A
         cache longer than ``position`` is trimmed first. Returns float32 hidden states
         ``[T, d_model]``, or on the last stage logits ``[T, vocab]`` (``logits="all"``) or
-        ``[1, vocab]``. ``should_stop()`` is polled between layers; when it returns True the
+        ``[1, vocab]``. ``should_stop()`` is polled before the first layer and between layers
+        (or between groups of layers computed as one graph); when it returns True the
         backend trims the cache back to ``position`` and raises
         `stagerun.ComputeCancelled`.
         """

@@ -335,8 +335,48 @@ def transport_for(address: str) -> Any:
     return serving[0].obj()
 
 
+AUTO_BACKEND = "auto"
+"""The default backend name: ``ggml`` where it runs, else ``numpy`` (see `resolve_backend`)."""
+
+_said_why: set[str] = set()
+
+
+def resolve_backend(name: str) -> str:
+    """The backend ``name`` means: ``auto`` is ``ggml`` where it runs here, else ``numpy``.
+
+    Choosing numpy for ``auto`` logs once why ggml is not used. Other names are returned as
+    they are.
+    """
+    if name != AUTO_BACKEND:
+        return name
+    try:
+        why = _why_not("ggml")
+    except PluginError as exc:
+        why = str(exc)
+    if why is None:
+        return "ggml"
+    if why not in _said_why:
+        _said_why.add(why)
+        log.warning("the ggml backend is not available (%s); computing with numpy", why)
+    return "numpy"
+
+
+def _why_not(name: str) -> str | None:
+    """Why backend ``name`` cannot run on this machine (its ``unavailable()``), or None."""
+    check = getattr(_load("backends", name).obj, "unavailable", None)
+    return check() if callable(check) else None
+
+
 def backend(name: str) -> Any:
-    """The backend class registered as ``name`` (``numpy``, ...)."""
+    """The backend class registered as ``name`` (``ggml``, ``numpy``, ...; ``auto`` resolved).
+
+    Raises:
+        PluginError: no such backend, a broken one, or one that cannot run on this machine.
+    """
+    name = resolve_backend(name)
+    why = _why_not(name)
+    if why is not None:
+        raise PluginError(f"the {name} backend cannot run here: {why}; choose --backend numpy")
     return _load("backends", name).obj
 
 

@@ -22,7 +22,7 @@ from stagerun import ComputeCancelled
 from stagerun._decide._ticks import Waiting, choose_tick
 from stagerun._engine._batcher import TickBatcher, TickInfo
 from stagerun.abc import ForwardItem, run_batch
-from stagerun.backends import NumpyBackend, _kernels, _numpy
+from stagerun.backends import GgmlBackend, NumpyBackend, _kernels, _numpy
 from stagerun.testing import write_tiny_model
 
 # ---------------------------------------------------------------------------------------------
@@ -200,6 +200,8 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pair(kind: str, model: Path) -> tuple[Any, Any]:
     if kind == "numpy":
         return NumpyBackend(model, (0, 1)), NumpyBackend(model, (1, 2))
+    if kind == "ggml":
+        return GgmlBackend(model, (0, 1), threads=2), GgmlBackend(model, (1, 2), threads=2)
     from stagerun_torch import TorchBackend, TorchInt4Backend
 
     cls = TorchBackend if kind == "torch" else TorchInt4Backend
@@ -220,11 +222,12 @@ def wide_q4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="module", params=["numpy", "torch", "torch-int4"])
+@pytest.fixture(scope="module", params=["numpy", "torch", "torch-int4", "ggml"])
 def backends(
     wide_model: Path, wide_q4_model: Path, request: pytest.FixtureRequest
 ) -> tuple[Any, Any]:
-    model = wide_q4_model if request.param == "torch-int4" else wide_model
+    # ggml on quantized blocks: its products on Q8 activations are the ones to check
+    model = wide_q4_model if request.param in ("torch-int4", "ggml") else wide_model
     return _pair(request.param, model)
 
 

@@ -21,7 +21,7 @@ from stagerun.testing import write_tiny_model
 def test_the_defaults_are_one_stage_in_process() -> None:
     layout = plan(PipelineConfig(), 30)
     assert layout.ranges == [(0, 30)]
-    assert [s.backend for s in layout.stages] == ["numpy"]
+    assert [s.backend for s in layout.stages] == ["ggml"]  # "auto": ggml runs here
 
 
 def test_stages_split_evenly_and_listen_where_their_transport_says() -> None:

@@ -237,7 +237,7 @@ def test_health_follows_a_killed_stage_and_errors_map_to_502_and_504(
         stages = health.json()["stages"]
         assert [s["state"] for s in stages] == ["ready"] * 3
         assert [s["layers"] for s in stages] == [[0, 2], [2, 4], [4, 6]]
-        assert all(s["backend"] == "numpy" for s in stages)
+        assert all(s["backend"] == "ggml" for s in stages)  # the default, "auto", here
         assert stages[0]["address"] == "local" and "pid" in stages[1] and "pid" in stages[2]
         last = stages[2]
 

@@ -34,7 +34,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> PipelineConf
         "wire_dtype": get("wire_dtype", "f32"),
         "transport": get("transport", "tcp"),
         "transports": get("transports"),
-        "backend": get("backend", "numpy"),
+        "backend": get("backend", "auto"),
         "backends": get("backends"),
         "device": get("device"),
         "hop_delay_ms": get("hop_delay_ms", 0.0),

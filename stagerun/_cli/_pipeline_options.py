@@ -96,7 +96,11 @@ def _plugin_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="one transport per hop instead, stage 0->1 first, e.g. ws,tcp",
     )
-    p.add_argument("--backend", default="numpy", help="compute backend plugin (default numpy)")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        help="compute backend plugin (default auto: ggml where it runs, else numpy)",
+    )
     p.add_argument(
         "--backends",
         type=_transport_list,

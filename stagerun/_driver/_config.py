@@ -43,6 +43,7 @@ from .._engine._config import (
     StageConfig,
 )
 from .._proto import ActivationDType
+from .._util import default_threads
 from .._wire._connect import alternatives
 from .._wire._framed import LinkEmulation
 from ._policies import DEFAULT_FAILURE_WINDOW as DEFAULT_FAILURE_WINDOW
@@ -128,7 +129,7 @@ class PipelineConfig:
     speculation: SpeculationConfig | None = None
     transport: str = "tcp"
     transports: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none)
-    backend: str = "numpy"
+    backend: str = "auto"  # ggml where it runs, else numpy (`plugins.resolve_backend`)
     backends: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none)
     device: str | None = None
     recovery: RecoveryPolicy | None = None
@@ -402,7 +403,9 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
             f"{len(ranges)} stages need {len(ranges)} backends, got {len(config.backends)} "
             f"({', '.join(config.backends)})"
         )
-    backends = list(config.backends or [config.backend] * len(ranges))
+    backends = [
+        plugins.resolve_backend(name) for name in config.backends or [config.backend] * len(ranges)
+    ]
     for name in backends:
         plugins.backend(name)  # an unknown or broken plugin fails here, before anything starts
     threads: list[int | None] = list(config.stage_threads or [config.threads] * len(ranges))
@@ -411,6 +414,12 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
             f"{len(ranges)} stages need {len(ranges)} thread counts of at least 1, got "
             f"{', '.join(map(str, threads))}"
         )
+    # ggml's threads spin at every barrier: the stages this host runs share its cores
+    on_host = len(ranges) if remote is None else 1
+    threads = [
+        default_threads(on_host) if t is None and name == "ggml" else t
+        for t, name in zip(threads, backends, strict=True)
+    ]
     devices = [config.device if plugins.takes_device(name) else None for name in backends]
     if config.device is not None and not any(devices):
         raise ValueError(

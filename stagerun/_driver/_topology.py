@@ -45,7 +45,7 @@ class TopologyStage:
     index: int
     layers: tuple[int, int]
     address: str | None
-    backend: str = "numpy"
+    backend: str = "auto"
     listen: str | None = None
     standby: tuple[str, ...] = ()
 
@@ -133,7 +133,7 @@ def parse_topology(data: dict[str, Any], *, source: str = "<topology>") -> Topol
                 check_address(address)
             except ValueError as exc:
                 raise TopologyError(f"{source}: stage {index}: {exc}") from None
-        backend = raw.get("backend", "numpy")
+        backend = raw.get("backend", "auto")
         if not isinstance(backend, str):
             raise TopologyError(f"{source}: stage {index} backend must be a name")
         listen = raw.get("listen")

@@ -49,7 +49,7 @@ class StageInfo:
     layers: tuple[int, int]
     address: str | None  # None for stage 0 (this process)
     pid: int | None = None
-    backend: str = "numpy"
+    backend: str = "auto"
     process: Any = attrs.field(default=None, eq=False, repr=False)  # a supervised StageProcess
 
 

@@ -86,7 +86,7 @@ class StageCompute:
 
     model: str
     layers: tuple[int, int] = attrs.field(converter=_layer_range)
-    backend: str = "numpy"
+    backend: str = "auto"
     threads: int | None = None
     device: str | None = None
 
@@ -322,7 +322,7 @@ class StageConfig:
         compute = StageCompute(
             model=args.model or "smollm2",
             layers=args.layers,
-            backend=args.backend or "numpy",
+            backend=args.backend or "auto",
             threads=args.threads,
             device=args.device,
         )

@@ -54,6 +54,12 @@ class GgufLayers:
         self._lo, self._hi = lo, hi
         return config
 
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} layers=[{self._lo}, {self._hi}) of {self.config.n_layers} "
+            f"first={self.is_first} last={self.is_last} threads={getattr(self, 'threads', None)}>"
+        )
+
     @property
     def config(self) -> ModelConfig:
         return self.model.config

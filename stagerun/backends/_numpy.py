@@ -173,12 +173,6 @@ class NumpyBackend(GgufLayers):
             f.post_ffn_norm,
         )
 
-    def __repr__(self) -> str:
-        return (
-            f"<NumpyBackend layers=[{self._lo}, {self._hi}) of {self.config.n_layers} "
-            f"first={self.is_first} last={self.is_last} threads={self.threads}>"
-        )
-
     def new_cache(self) -> NumpyKVCache:
         """An empty KV cache for one session on this stage."""
         c = self.config

@@ -14,6 +14,7 @@ from ._gguf import ModelConfig as ModelConfig
 from ._gguf import ModelFile as ModelFile
 from ._gguf import QuantizedTensor as QuantizedTensor
 from ._gguf import StageWeights as StageWeights
+from ._gguf import StoredTensor as StoredTensor
 from ._gguf import family_of as family_of
 from ._gguf import open_model as open_model
 from ._resolve import KNOWN_MODELS as KNOWN_MODELS

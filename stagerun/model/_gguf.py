@@ -35,7 +35,7 @@ from ._gguf_file import MAX_GGUF_ARRAY_ITEMS as MAX_GGUF_ARRAY_ITEMS
 from ._gguf_file import GgufReader, check_gguf_header
 from ._resolve import resolve_model
 from ._tokenizer import Tokenizer, eog_ids_from_vocab
-from ._values import LayerWeights, ModelConfig, QuantizedTensor, StageWeights
+from ._values import LayerWeights, ModelConfig, QuantizedTensor, StageWeights, StoredTensor
 
 __all__ = [
     "LayerWeights",
@@ -43,6 +43,7 @@ __all__ = [
     "ModelFile",
     "QuantizedTensor",
     "StageWeights",
+    "StoredTensor",
     "open_model",
 ]
 
@@ -266,6 +267,29 @@ class ModelFile:
         rows, cols = int(t.shape[1]), int(t.shape[0])
         data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
         return QuantizedTensor(name=name, qtype=t.tensor_type.name, shape=(rows, cols), data=data)
+
+    def stored(self, name: str) -> StoredTensor:
+        """Where tensor ``name`` lies in the file, as stored (for backends that compute on it).
+
+        Its bytes are ``mapping[offset : offset + nbytes]``; ``ne`` is its shape in ggml's
+        order (row length first), ``qtype`` the ggml type number.
+        """
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelError(f"{self.path.name} has no tensor {name!r}.")
+        return StoredTensor(
+            name=name,
+            qtype=int(t.tensor_type),
+            ne=tuple(int(d) for d in t.shape),
+            offset=int(t.data_offset),
+            nbytes=int(t.n_bytes),
+        )
+
+    @property
+    def mapping(self) -> npt.NDArray[np.uint8]:
+        """The whole file, mapped read-only (pages are read as they are touched)."""
+        data: npt.NDArray[np.uint8] = self._reader.data
+        return data
 
     def load_tensor(self, name: str) -> F32:
         """Dequantize one tensor to float32 (a matrix as ``(out, in)``)."""

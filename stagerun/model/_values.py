@@ -107,3 +107,14 @@ class QuantizedTensor:
     qtype: str
     shape: tuple[int, int]
     data: npt.NDArray[np.uint8]
+
+
+@attrs.frozen
+class StoredTensor:
+    """Where one tensor lies in a GGUF file (`stagerun.model.ModelFile.stored`)."""
+
+    name: str
+    qtype: int  # the ggml type number (0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 8 Q8_0, 12 Q4_K...)
+    ne: tuple[int, ...]  # ggml's order: ne[0] is the row length
+    offset: int  # bytes from the start of the file
+    nbytes: int
