@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import LayerRangeError, ModelError, UnsupportedModelError
+from .._util import release_free_memory
 from ._chat import ChatTemplateError, render_chat
 from ._families import FAMILIES, Family
 from ._gguf_file import MAX_GGUF_ARRAY_ITEMS as MAX_GGUF_ARRAY_ITEMS
@@ -53,7 +54,7 @@ ROPE_SCALINGS = ("none", "linear")  # rope_freqs.weight (Llama 3's factors) is r
 
 def _field(reader: gguf.GGUFReader, key: str) -> Any:
     field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    return None if field is None else GgufReader.value(field)
 
 
 class ModelFile:
@@ -170,7 +171,7 @@ class ModelFile:
         """The model's tokenizer, built from the GGUF vocabulary on first use."""
         model = self._get("tokenizer.ggml.model", None)
         unknown = self._get("tokenizer.ggml.unknown_token_id", None)
-        return Tokenizer.from_gguf_fields(
+        tokenizer = Tokenizer.from_gguf_fields(
             model=model,
             pre=self._get("tokenizer.ggml.pre", None),
             tokens=self._get("tokenizer.ggml.tokens", []),
@@ -187,6 +188,8 @@ class ModelFile:
             add_bos=bool(self._get("tokenizer.ggml.add_bos_token", model == "llama")),
             source=self.path.name,
         )
+        release_free_memory()  # building it took as much again (Gemma 3: 30 MB), now free
+        return tokenizer
 
     def render_chat(
         self,
