@@ -228,3 +228,17 @@ def test_default_model_middle_stage_dequantizes(smollm2: ModelFile) -> None:
 
 def test_model_path_is_absolute(tiny_model: ModelFile) -> None:
     assert os.path.isabs(tiny_model.path)
+
+
+def test_string_arrays_are_read_in_place_and_give_gguf_s_strings(smollm2: ModelFile) -> None:
+    """The vocabulary is one offsets array over the mapping, not an object per token."""
+    import gguf
+
+    from stagerun.model._gguf_file import StringArray
+
+    field = smollm2._reader.fields["tokenizer.ggml.tokens"]
+    ours = smollm2._get("tokenizer.ggml.tokens")
+    assert isinstance(ours, StringArray) and len(field.parts) == 6  # key, type, count, array
+    theirs = gguf.GGUFReader(smollm2.path).fields["tokenizer.ggml.tokens"].contents()
+    assert len(ours) == len(theirs) == 49152
+    assert list(ours) == theirs and ours[100] == theirs[100] and ours[-3:] == theirs[-3:]

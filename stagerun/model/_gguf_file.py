@@ -105,7 +105,8 @@ class GgufReader(gguf.GGUFReader):
             starts[i], ends[i] = offs + 8, offs + 8 + size
             offs += 8 + size
         strings = StringArray(data, starts, ends)
-        return offs - orig_offs, [raw_itype, count, strings], [2], types
+        parts: list[Any] = [raw_itype, count, strings]  # gguf types parts as arrays
+        return offs - orig_offs, parts, [2], types
 
 
 # -- header bounds ------------------------------------------------------------------------
