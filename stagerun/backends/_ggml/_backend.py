@@ -200,7 +200,7 @@ class GgmlBackend(GgufLayers):
         """An empty KV cache for one session on this stage."""
         c = self.config
         return GgmlKVCache(
-            self._lib, self._hi - self._lo, c.n_kv_heads * c.head_dim, c.context_length
+            self._ffi, self._lib, self._hi - self._lo, c.n_kv_heads * c.head_dim, c.context_length
         )
 
     def export_kv(self, cache: GgmlKVCache, start: int, stop: int) -> GgmlKVBlock:

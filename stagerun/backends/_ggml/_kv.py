@@ -39,9 +39,9 @@ class GgmlKVCache:
     ``length`` holds zeros or stale positions, which the attention masks.
     """
 
-    def __init__(self, lib: Any, n_layers: int, width: int, max_length: int) -> None:
+    def __init__(self, ffi: Any, lib: Any, n_layers: int, width: int, max_length: int) -> None:
         self.length = 0
-        self._lib = lib
+        self._ffi, self._lib = ffi, lib
         self._max = -(-max_length // KEY_BLOCK) * KEY_BLOCK
         self._shape = (n_layers, width)
         self._k: F16 = np.zeros((n_layers, 0, width), np.float16)
@@ -85,9 +85,13 @@ class GgmlKVCache:
     def buffers(self) -> tuple[Any, Any]:
         """ggml CPU buffers over the key and the value arrays (made once per allocation)."""
         if self._buffers is None:
-            lib = self._lib
-            k = lib.ggml_backend_cpu_buffer_from_ptr(_pointer(self._k), self._k.nbytes)
-            v = lib.ggml_backend_cpu_buffer_from_ptr(_pointer(self._v), self._v.nbytes)
+            lib, ffi = self._lib, self._ffi
+            k = lib.ggml_backend_cpu_buffer_from_ptr(
+                ffi.cast("void *", self._k.ctypes.data), self._k.nbytes
+            )
+            v = lib.ggml_backend_cpu_buffer_from_ptr(
+                ffi.cast("void *", self._v.ctypes.data), self._v.nbytes
+            )
             self._buffers = (k, v)
             self._release = weakref.finalize(self, _free_buffers, lib, k, v)
         return self._buffers
@@ -96,13 +100,6 @@ class GgmlKVCache:
         if self._release is not None:
             self._release()
         self._buffers = self._release = None
-
-
-def _pointer(array: npt.NDArray[Any]) -> Any:
-    from ._lib import load
-
-    ffi, _ = load()
-    return ffi.cast("void *", array.ctypes.data)
 
 
 def _free_buffers(lib: Any, *buffers: Any) -> None:
