@@ -168,6 +168,23 @@ async def test_stage0_gathers_the_decoding_sessions_into_one_tick(gather: int | 
     assert backend.calls == [[3]]
 
 
+@pytest.mark.parametrize("forget", [True, False])
+async def test_a_tick_does_not_gather_for_a_session_that_ended(forget: bool) -> None:
+    backend = Recorder(delay=0.02)
+    batcher = TickBatcher(backend, gather=1)
+    ended, new = _item(1), _item(1)
+    await batcher.forward(ended)
+    await batcher.forward(new)
+    if forget:
+        batcher.forget(ended.cache)  # its request finished: nobody waits for its next step
+    batcher.gathered_seconds = 0.0
+    await batcher.forward(attrs.evolve(new))
+    if forget:
+        assert batcher.gathered_seconds == 0.0
+    else:  # what this guards against: the tick waits ~3 ticks' time for a ghost
+        assert batcher.gathered_seconds > 0.04
+
+
 async def test_a_forward_cancelled_while_waiting_leaves_the_line() -> None:
     backend = Recorder(delay=0.05)
     batcher = TickBatcher(backend)

@@ -180,6 +180,15 @@ class TickBatcher:
             raise job.outcome
         return job.outcome
 
+    def forget(self, cache: object) -> None:
+        """The session of ``cache`` has ended: ticks no longer gather for its decode steps.
+
+        Without this, a request that starts just after another ended (a closed-loop client)
+        would wait at each of its first ticks, `GATHER_SEEN_SECONDS` long, for a session that
+        will never ask again.
+        """
+        self._seen.pop(id(cache), None)
+
     async def _tick(self) -> None:
         done = self._running = trio.Event()
         try:

@@ -138,6 +138,7 @@ class StageEngine:
     def close(self, session: Session) -> None:
         """End ``session``: what it held goes back to the budget."""
         self.budget.close(session)
+        self.batcher.forget(session.cache)
 
     def summarize(self, request_id: int, session: Session) -> None:
         """The span an ended session reports: its counts, and the stage's stale-work counters."""
