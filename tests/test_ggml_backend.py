@@ -22,7 +22,7 @@ from _oracle import assert_varied
 from stagerun import plugins
 from stagerun.abc import ForwardItem
 from stagerun.backends import GgmlBackend, NumpyBackend
-from stagerun.backends._ggml import _graph, _lib
+from stagerun.backends._ggml import _backend, _graph, _lib
 from stagerun.model import FAMILIES, ModelFile, open_model
 from stagerun.testing import check_backend, check_family, write_tiny_model
 
@@ -133,7 +133,7 @@ def test_a_trait_run_wrong_is_far_from_the_reference(tmp_path: pathlib.Path) -> 
     """The tolerance can fail: qwen3's halves rotated as llama's pairs are far off."""
     model = open_model(write_tiny_model(tmp_path / "m.gguf", family="qwen3"))
     numpy, ggml = NumpyBackend(model), GgmlBackend(model)
-    ggml._rope_mode = _lib.ROPE_NORMAL
+    ggml._ops._rope_mode = _lib.ROPE_NORMAL
     want = numpy.forward(numpy.new_cache(), 0, tokens=IDS, logits="all")
     got = ggml.forward(ggml.new_cache(), 0, tokens=IDS, logits="all")
     assert float(np.abs(got - want).max() / np.abs(want).max()) > 5 * TOLERANCE
@@ -157,8 +157,78 @@ def test_a_prompt_computes_the_same_in_any_chunks_and_would_not_without_key_bloc
     ids = list(np.random.default_rng(1).integers(0, smollm2.config.vocab_size, 150))
     whole = _chunked(backend, ids, [150])
     assert np.array_equal(_chunked(backend, ids, [7, 60, 83]), whole)
-    monkeypatch.setattr(_graph, "KEY_BLOCK", 1)  # attend to exactly the keys a chunk reaches
+    # attend to exactly the keys a chunk reaches (no blocks, and no room for a kept graph)
+    monkeypatch.setattr(_graph, "KEY_BLOCK", 1)
+    monkeypatch.setattr(_backend, "REUSE_ROOM", 0)
     assert not np.array_equal(_chunked(backend, ids, [7, 60, 83]), whole)
+
+
+def _steps(backend: GgmlBackend, inputs: np.ndarray, prompt: int) -> np.ndarray:
+    """Prefill ``prompt`` rows of ``inputs`` (token ids, or hidden states on a later stage),
+    then feed the rest one at a time: every row's output (hidden states, or logits on the
+    last stage)."""
+    cache = backend.new_cache()
+    field = "tokens" if inputs.ndim == 1 else "hidden"
+    outs = [backend.forward(cache, 0, logits="all", **{field: inputs[:prompt]})]
+    for at in range(prompt, len(inputs)):
+        outs.append(backend.forward(cache, at, logits="all", **{field: inputs[at : at + 1]}))
+    return np.concatenate(outs)
+
+
+@pytest.mark.parametrize("layers", [(0, 3), (12, 15), (27, 30)])
+def test_decode_steps_reuse_a_kept_graph_and_compute_what_one_whole_forward_does(
+    smollm2: ModelFile, monkeypatch: pytest.MonkeyPatch, layers: tuple[int, int]
+) -> None:
+    """190 decode steps after a 230-row prompt build 3 graphs, and each step's output is
+    bitwise the row the same 420 positions give in one forward (chunk invariance; the whole
+    forward is too big to keep, so it is built apart)."""
+    monkeypatch.setattr(_backend, "REUSE_ROOM", 64)
+    rng = np.random.default_rng(7)
+    if layers[0]:  # a later stage: hidden states in, hidden states (or logits) out
+        inputs = rng.standard_normal((420, smollm2.config.d_model)).astype(np.float32)
+    else:  # the first stage: token ids in (the embedding in the graph), hidden states out
+        inputs = rng.integers(0, smollm2.config.vocab_size, 420)
+    builds: list[int] = []
+    build = GgmlBackend._build
+
+    def counted(self: GgmlBackend, *args: Any) -> Any:
+        builds.append(len(args[0]))
+        return build(self, *args)
+
+    monkeypatch.setattr(GgmlBackend, "_build", counted)
+    backend = GgmlBackend(smollm2, layers, threads=1)
+    steps = _steps(backend, inputs, 230)[230:]
+    # the prompt's graph, then one at step 230 (keys to 256, the cache's first capacity), at
+    # 256 (the cache grows: new memory; keys to 384) and at 384 (keys run out): no others
+    assert len(builds) == 4, f"{len(builds) - 1} graphs built for 190 steps"
+    assert backend._graphs, "the last step's graph is kept"
+    field = "tokens" if inputs.ndim == 1 else "hidden"
+    whole = GgmlBackend(smollm2, layers, threads=1)
+    expected = whole.forward(whole.new_cache(), 0, logits="all", **{field: inputs})[230:]
+    assert len(steps) == len(expected) == 190
+    assert len({row.tobytes() for row in expected}) == len(expected)  # every step its own
+    assert np.array_equal(steps, expected)
+
+
+def test_a_kept_graph_does_not_keep_its_sessions_caches(smollm2: ModelFile) -> None:
+    import weakref
+
+    backend = GgmlBackend(smollm2, (0, 2))
+    cache = backend.new_cache()
+    backend.forward(cache, 0, tokens=[1, 2, 3])
+    assert backend._graphs, "a three-row forward keeps its graph"
+    gone = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert gone() is None
+    # the kept graph does not fit a new cache, which may even reuse the old one's address
+    again = backend.new_cache()
+    assert np.array_equal(
+        backend.forward(again, 0, tokens=[1, 2, 3]),
+        GgmlBackend(smollm2, (0, 2)).forward(
+            GgmlBackend(smollm2, (0, 2)).new_cache(), 0, tokens=[1, 2, 3]
+        ),
+    )
 
 
 def test_sessions_batched_compute_what_each_computes_alone_on_both_stages(

@@ -22,7 +22,6 @@ share of the cores the process may use.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,41 +36,23 @@ from ...abc import ForwardItem
 from ...model import ModelFile
 from .._inputs import check_positions, forward_one, poll_stops, stage_input
 from .._layers import GgufLayers
-from ._graph import Graph, SessionRows
+from ._blocks import Blocks, Layer
+from ._graph import Built, Graph, SessionRows, key_blocks
 from ._kv import GgmlKVBlock, GgmlKVCache
-from ._lib import ROPE_NEOX, ROPE_NORMAL, load, unavailable
+from ._lib import F32 as GGML_F32
+from ._lib import I32, load, unavailable
 
 __all__ = ["GgmlBackend"]
 
 F32 = npt.NDArray[np.float32]
 SEGMENT_ROW_LAYERS = 2048
 """Rows times layers per graph: a forward bigger than this is cut between layers (polled)."""
-
-
-class _Layer:
-    """The tensors of one block (headers over the mapped file), by role."""
-
-    __slots__ = (
-        "attn_norm", "bk", "bq", "bv", "ffn_norm", "k_norm", "post_attn", "post_ffn", "q_norm",
-        "rope", "w_down", "w_gate", "w_k", "w_o", "w_q", "w_qkv", "w_up", "w_v", "window",
-    )  # fmt: skip
-
-    def __init__(self, get: Callable[[str], Any], prefix: str, fused_qkv: bool,
-                 fused_gate_up: bool) -> None:  # fmt: skip
-        self.attn_norm = get(prefix + "attn_norm.weight")
-        self.w_qkv = get(prefix + "attn_qkv.weight") if fused_qkv else None
-        self.w_q = None if fused_qkv else get(prefix + "attn_q.weight")
-        self.w_k = None if fused_qkv else get(prefix + "attn_k.weight")
-        self.w_v = None if fused_qkv else get(prefix + "attn_v.weight")
-        self.w_o = get(prefix + "attn_output.weight")
-        self.ffn_norm = get(prefix + "ffn_norm.weight")
-        self.w_gate = None if fused_gate_up else get(prefix + "ffn_gate.weight")
-        self.w_up = get(prefix + "ffn_up.weight")
-        self.w_down = get(prefix + "ffn_down.weight")
-        self.bq = self.bk = self.bv = self.q_norm = self.k_norm = None
-        self.post_attn = self.post_ffn = None
-        self.rope: tuple[float, float, bool] = (0.0, 1.0, False)
-        self.window = 0
+REUSE_ROWS = 64
+"""A graph of at most this many rows (decode steps, verify windows) is kept for the next."""
+REUSE_ROOM = 128
+"""Positions of room a kept graph's attention is built with: steps it can serve again."""
+KEPT_GRAPHS = 4
+"""Kept graphs, the most recently used (micro-batches that take turns each keep theirs)."""
 
 
 class GgmlBackend(GgufLayers):
@@ -101,9 +82,7 @@ class GgmlBackend(GgufLayers):
         c = self._open_layers(model, layers, threads)
         self._ffi, self._lib = ffi, lib = load()
         self.threads = threads if threads is not None else default_threads()
-        self._eps = float(c.rms_eps)
         family = c.family
-        self._rope_mode = ROPE_NORMAL if family.rope_interleaved else ROPE_NEOX
         mapping = self.model.mapping
         self._mapping = mapping  # the weights point into it: keep it mapped
         base = mapping.ctypes.data
@@ -121,23 +100,25 @@ class GgmlBackend(GgufLayers):
         self._cpu = lib.ggml_backend_cpu_init()
         lib.ggml_backend_cpu_set_n_threads(self._cpu, self.threads)
         self._allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
+        self._graphs: dict[tuple[Any, ...], Built] = {}  # kept graphs, by their sessions
         self._finalizer = weakref.finalize(
-            self, _free, lib, self._weights_ctx, self._weights_buffer, self._cpu, self._allocator
-        )
+            self, _free, lib, self._weights_ctx, self._weights_buffer, self._cpu,
+            self._allocator, self._graphs,
+        )  # fmt: skip
         tensors = {name: self._weight(name, base) for name in wanted}
         self._tensors = tensors
-        self._layers: list[_Layer] = []
+        self._layers: list[Layer] = []
         for layer in range(self._lo, self._hi):
             self._layers.append(self._block(tensors, layer))
         self._embd = tensors.get("token_embd.weight")
-        self._out_norm = tensors.get("output_norm.weight")
-        self._head = tensors.get("token_embd.weight" if c.tied_output else "output.weight")
-        if not self.is_last:
-            self._head = None
-        self._factors = tensors.get("rope_freqs.weight")
         self._embd_scale = float(np.float32(np.sqrt(c.d_model))) if family.embedding_scale else 0.0
-        self._gelu = family.activation == "gelu_tanh"
-        self._kq_scale = float(1.0 / math.sqrt(c.head_dim))
+        head = "token_embd.weight" if c.tied_output else "output.weight"
+        self._ops = Blocks(
+            lib, c,
+            factors=tensors.get("rope_freqs.weight"),
+            out_norm=tensors.get("output_norm.weight"),
+            head_weight=tensors.get(head) if self.is_last else None,
+        )  # fmt: skip
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -177,10 +158,10 @@ class GgmlBackend(GgufLayers):
             raise RuntimeError(f"ggml could not place {name} in the mapped file (status {status})")
         return t
 
-    def _block(self, tensors: dict[str, Any], layer: int) -> _Layer:
+    def _block(self, tensors: dict[str, Any], layer: int) -> Layer:
         c, family = self.config, self.config.family
         p = f"blk.{layer}."
-        b = _Layer(tensors.__getitem__, p, family.fused_qkv, family.fused_gate_up)
+        b = Layer(tensors.__getitem__, p, family.fused_qkv, family.fused_gate_up)
         get = tensors.get
         b.bq, b.bk, b.bv = get(p + "attn_q.bias"), get(p + "attn_k.bias"), get(p + "attn_v.bias")
         b.q_norm, b.k_norm = get(p + "attn_q_norm.weight"), get(p + "attn_k_norm.weight")
@@ -319,175 +300,110 @@ class GgmlBackend(GgufLayers):
         """Layers ``lo..hi-1`` of the stage (local numbers) over the live items, as one graph.
 
         ``rows[k]`` is item k's input (token ids before the first layer of the first stage,
-        hidden states otherwise). With ``head`` on the last stage, logits come out.
+        hidden states otherwise). With ``head`` on the last stage, logits come out. A small
+        graph (decode steps, verify windows) is kept and serves the same sessions' next steps
+        while they fit in it; a bigger one is built, run and freed.
         """
-        c = self.config
         sizes = [len(rows[k]) for k in live]
-        total = sum(sizes)
-        n_nodes = (hi - lo) * (40 + 24 * len(live)) + 8 * len(live) + 64
-        g = Graph(self._ffi, self._lib, n_nodes)
+        head = head and self._ops.head_weight is not None
+        picks = [(n if items[k].logits == "all" else 1) if head else 0
+                 for k, n in zip(live, sizes, strict=True)]  # fmt: skip
+        keep = sum(sizes) <= REUSE_ROWS
+        key = (lo, hi, tuple(zip([id(items[k].cache) for k in live], sizes, picks, strict=True)))
+        built = self._graphs.pop(key, None) if keep else None
+        if built is not None and not all(
+            s.fits(items[k].cache, items[k].position)
+            for k, s in zip(live, built.sessions, strict=True)
+        ):
+            built.close()
+            built = None
+        if built is None:
+            room = REUSE_ROOM if keep else 0
+            keys = [
+                min(items[k].cache.capacity, key_blocks(items[k].position + n + room))
+                for k, n in zip(live, sizes, strict=True)
+            ]
+            built = self._build([items[k].cache for k in live], sizes, keys, picks, lo, hi, keep)
         try:
-            lib, ctx = self._lib, g.ctx
-            windows = [b.window for b in self._layers[lo:hi]]
-            sessions, at = [], 0
-            for k, size in zip(live, sizes, strict=True):
-                item = items[k]
-                sessions.append(
-                    SessionRows(g, item.cache, item.position, at, size, hi - lo, windows)
-                )
-                at += size
-            positions = np.concatenate(
-                [
-                    np.arange(items[k].position, items[k].position + s)
-                    for k, s in zip(live, sizes, strict=True)
-                ]
-            ).astype(np.int32)
-            pos = g.input(positions)
-            if lo == 0 and self.is_first:
-                ids = g.input(np.concatenate([rows[k] for k in live]).astype(np.int32))
-                x = lib.ggml_get_rows(ctx, self._embd, ids)
+            outputs = built.run(
+                self._cpu,
+                self._allocator,
+                [items[k].position for k in live],
+                [rows[k] for k in live],
+            )
+        except BaseException:
+            built.close()
+            raise
+        if keep:
+            self._graphs[key] = built  # the most recent last
+            while len(self._graphs) > KEPT_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs))).close()
+        else:
+            built.close()
+        return outputs
+
+    def _build(
+        self,
+        caches: list[GgmlKVCache],
+        sizes: list[int],
+        keys: list[int],
+        picks: list[int],
+        lo: int,
+        hi: int,
+        keep: bool,
+    ) -> Built:
+        """The graph of layers ``lo..hi-1`` for sessions of ``sizes`` rows attending to
+        ``keys`` keys, with ``picks[k]`` logits rows of each (all 0 but on the head)."""
+        c, lib = self.config, self._lib
+        total = sum(sizes)
+        n_nodes = (hi - lo) * (40 + 24 * len(sizes)) + 8 * len(sizes) + 64
+        g = Graph(self._ffi, lib, n_nodes, own_allocator=keep)
+        try:
+            ctx = g.ctx
+            # the inputs, in the order `_Built.run` gives their values
+            pos = g.input(I32, total)
+            embed = lo == 0 and self.is_first
+            if embed:
+                x = lib.ggml_get_rows(ctx, self._embd, g.input(I32, total))
                 if self._embd_scale:
                     x = lib.ggml_scale(ctx, x, self._embd_scale)
             else:
-                x = g.input(np.concatenate([rows[k] for k in live]).astype(np.float32, copy=False))
+                x = g.input(GGML_F32, total, c.d_model)
+            windows = [b.window for b in self._layers[lo:hi]]
+            firsts = itertools.accumulate(sizes, initial=0)
+            sessions = [
+                SessionRows(g, cache, first, n, L, windows)
+                for cache, first, n, L in zip(caches, firsts, sizes, keys, strict=False)
+            ]
             for i in range(lo, hi):
-                x = self._build_block(g, self._layers[i], i, x, pos, sessions, total)
-            if head and self._head is not None:
-                picks = []
-                for k, s in zip(live, sessions, strict=True):
-                    n = s.rows if items[k].logits == "all" else 1
-                    picks.append(np.arange(s.first + s.rows - n, s.first + s.rows))
-                picked = np.concatenate(picks).astype(np.int32)
-                out = self._build_head(g, x, picked)
-                lib.ggml_set_output(out)
-                g.expand(out)
-                g.compute(self._cpu, self._allocator)
-                logits = g.output(out, (len(picked), c.vocab_size))
-                bounds = np.cumsum([0] + [len(p) for p in picks])
-                return [logits[a:b] for a, b in itertools.pairwise(bounds)]
+                x = self._ops.block(g, self._layers[i], i, x, pos, sessions, total)
+            picked = None
+            if any(picks):
+                picked = np.concatenate(
+                    [
+                        np.arange(s.first + s.rows - n, s.first + s.rows)
+                        for s, n in zip(sessions, picks, strict=True)
+                    ]
+                ).astype(np.int32)
+                x = self._ops.head(g, x, len(picked))
+                shape = (len(picked), c.vocab_size)
+                bounds = list(itertools.accumulate(picks, initial=0))
+            else:
+                shape = (total, c.d_model)
+                bounds = [s.first for s in sessions] + [total]
             lib.ggml_set_output(x)
             g.expand(x)
-            g.compute(self._cpu, self._allocator)
-            hidden = g.output(x, (total, c.d_model))
-            return [hidden[s.first : s.first + s.rows] for s in sessions]
-        finally:
+        except BaseException:
             g.close()
-
-    def _norm(self, g: Graph, x: Any, weight: Any) -> Any:
-        lib = self._lib
-        return lib.ggml_mul(g.ctx, lib.ggml_rms_norm(g.ctx, x, self._eps), weight)
-
-    def _build_block(
-        self, g: Graph, b: _Layer, i: int, x: Any, pos: Any, sessions: list[SessionRows], R: int
-    ) -> Any:
-        """Block ``i`` (local number) on the stacked rows ``x`` ``[d_model, R]``."""
-        lib, ctx, c = self._lib, g.ctx, self.config
-        hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
-        cur = self._norm(g, x, b.attn_norm)
-        if b.w_qkv is not None:  # Phi-3: one product, then views of its rows
-            qkv = lib.ggml_mul_mat(ctx, b.w_qkv, cur)
-            row = (nh + 2 * nkv) * hd * 4
-            q = lib.ggml_view_3d(ctx, qkv, hd, nh, R, hd * 4, row, 0)
-            k = lib.ggml_view_3d(ctx, qkv, hd, nkv, R, hd * 4, row, nh * hd * 4)
-            v = lib.ggml_view_2d(ctx, qkv, nkv * hd, R, row, (nh + nkv) * hd * 4)
-            v = lib.ggml_cont_2d(ctx, v, nkv * hd, R)
-        else:
-            q = lib.ggml_mul_mat(ctx, b.w_q, cur)
-            k = lib.ggml_mul_mat(ctx, b.w_k, cur)
-            v = lib.ggml_mul_mat(ctx, b.w_v, cur)
-            if b.bq is not None:
-                q = lib.ggml_add(ctx, q, b.bq)
-                k = lib.ggml_add(ctx, k, b.bk)
-                v = lib.ggml_add(ctx, v, b.bv)
-            q = lib.ggml_reshape_3d(ctx, q, hd, nh, R)
-            k = lib.ggml_reshape_3d(ctx, k, hd, nkv, R)
-        if b.q_norm is not None:
-            q = self._norm(g, q, b.q_norm)
-            k = self._norm(g, k, b.k_norm)
-        base, scale, scaled = b.rope
-        factors = self._factors if scaled and self._factors is not None else g.ffi.NULL
-        rope = (hd, self._rope_mode, c.context_length, base, 1.0 / scale, 0.0, 1.0, 32.0, 1.0)
-        q = lib.ggml_rope_ext(ctx, q, pos, factors, *rope)
-        k = lib.ggml_rope_ext(ctx, k, pos, factors, *rope)
-        parts = [self._attend(g, b, i, s, q, k, v) for s in sessions]
-        attn = _concat_rows(lib, ctx, parts)
-        attn = lib.ggml_mul_mat(ctx, b.w_o, attn)
-        if b.post_attn is not None:
-            attn = self._norm(g, attn, b.post_attn)
-        x = lib.ggml_add(ctx, x, attn)
-        cur = self._norm(g, x, b.ffn_norm)
-        if b.w_gate is None:  # Phi-3: [gate; up] in one matrix
-            up = lib.ggml_mul_mat(ctx, b.w_up, cur)
-            act = lib.ggml_geglu(ctx, up) if self._gelu else lib.ggml_swiglu(ctx, up)
-        else:
-            gate = lib.ggml_mul_mat(ctx, b.w_gate, cur)
-            up = lib.ggml_mul_mat(ctx, b.w_up, cur)
-            split = lib.ggml_geglu_split if self._gelu else lib.ggml_swiglu_split
-            act = split(ctx, gate, up)
-        down = lib.ggml_mul_mat(ctx, b.w_down, act)
-        if b.post_ffn is not None:
-            down = self._norm(g, down, b.post_ffn)
-        return lib.ggml_add(ctx, x, down)
-
-    def _attend(self, g: Graph, b: _Layer, i: int, s: SessionRows, q: Any, k: Any, v: Any) -> Any:
-        """One session's attention in block ``i``: ``[n_heads * head_dim, T]``."""
-        lib, ctx, c = self._lib, g.ctx, self.config
-        hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
-        width, T, cap, L = nkv * hd, s.rows, s.cache.capacity, s.keys
-        f16 = 2
-        k_layer = i * cap * width * f16
-        v_layer = i * width * cap * f16
-        # the session's new keys and values, into its cache (before anything reads it)
-        k_new = lib.ggml_view_2d(ctx, k, width, T, width * 4, s.first * width * 4)
-        k_dst = lib.ggml_view_2d(
-            ctx, s.k, width, T, width * f16, k_layer + s.position * width * f16
-        )
-        g.expand(lib.ggml_cpy(ctx, k_new, k_dst))
-        v_new = lib.ggml_transpose(
-            ctx, lib.ggml_view_2d(ctx, v, width, T, width * 4, s.first * width * 4)
-        )
-        v_dst = lib.ggml_view_2d(ctx, s.v, T, width, cap * f16, v_layer + s.position * f16)
-        g.expand(lib.ggml_cpy(ctx, v_new, v_dst))
-        keys = lib.ggml_view_3d(ctx, s.k, hd, L, nkv, width * f16, hd * f16, k_layer)
-        values = lib.ggml_view_3d(ctx, s.v, L, hd, nkv, cap * f16, hd * cap * f16, v_layer)
-        qs = lib.ggml_view_3d(ctx, q, hd, nh, T, hd * 4, nh * hd * 4, s.first * nh * hd * 4)
-        qs = lib.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [hd, T, nh]
-        kq = lib.ggml_mul_mat(ctx, keys, qs)  # [L, T, nh]
-        cap_scores = c.attn_softcap
-        mask = s.masks[b.window]
-        if cap_scores:
-            kq = lib.ggml_scale(ctx, kq, self._kq_scale / cap_scores)
-            kq = lib.ggml_scale(ctx, lib.ggml_tanh(ctx, kq), cap_scores)
-            kq = lib.ggml_soft_max_ext(ctx, kq, mask, 1.0, 0.0)
-        else:
-            kq = lib.ggml_soft_max_ext(ctx, kq, mask, self._kq_scale, 0.0)
-        out = lib.ggml_mul_mat(ctx, values, kq)  # [hd, T, nh]
-        out = lib.ggml_permute(ctx, out, 0, 2, 1, 3)  # [hd, nh, T]
-        return lib.ggml_cont_2d(ctx, out, nh * hd, T)
-
-    def _build_head(self, g: Graph, x: Any, picked: npt.NDArray[np.int32]) -> Any:
-        lib, ctx = self._lib, g.ctx
-        rows = lib.ggml_get_rows(ctx, x, g.input(picked))
-        logits = lib.ggml_mul_mat(ctx, self._head, self._norm(g, rows, self._out_norm))
-        cap = self.config.final_softcap
-        if cap:
-            logits = lib.ggml_scale(
-                ctx, lib.ggml_tanh(ctx, lib.ggml_scale(ctx, logits, 1 / cap)), cap
-            )
-        return logits
+            raise
+        return Built(g, sessions, x, shape, picked, bounds)
 
 
-def _concat_rows(lib: Any, ctx: Any, parts: list[Any]) -> Any:
-    """The parts ``[n, T_i]`` side by side ``[n, sum T_i]``, joined as a balanced tree."""
-    while len(parts) > 1:
-        joined = [
-            lib.ggml_concat(ctx, a, b, 1) for a, b in zip(parts[::2], parts[1::2], strict=False)
-        ]
-        parts = joined + ([parts[-1]] if len(parts) % 2 else [])
-    return parts[0]
-
-
-def _free(lib: Any, ctx: Any, buffer: Any, backend: Any, allocator: Any) -> None:
+def _free(lib: Any, ctx: Any, buffer: Any, backend: Any, allocator: Any,
+          graphs: dict[Any, Built]) -> None:  # fmt: skip
+    for built in graphs.values():
+        built.close()
+    graphs.clear()
     lib.ggml_gallocr_free(allocator)
     lib.ggml_backend_free(backend)
     lib.ggml_backend_buffer_free(buffer)

@@ -7,10 +7,17 @@ the allocator lays out), the graph, and the inputs to copy in once memory is lai
 
 * the rows of every session are stacked ``[d_model, R]`` for the norms, the projections and
   the MLP, so each weight is read once per graph;
-* attention is per session: its new keys and values are copied into its cache first (the
-  copies are put in the graph before the nodes that read the cache), then its queries
-  ``[head_dim, T, n_heads]`` meet the cached keys ``[head_dim, L, n_kv]`` (ggml broadcasts
-  the query heads over the KV heads), a masked softmax, and the transposed values.
+* attention is per session: its new keys and values are written into its cache first
+  (``ggml_set_rows`` at row indices that are inputs, put in the graph before the nodes that
+  read the cache), then its queries ``[head_dim, T, n_heads]`` meet the cached keys
+  ``[head_dim, L, n_kv]`` (ggml broadcasts the query heads over the KV heads), a masked
+  softmax, and the transposed values.
+
+Everything that changes from one decode step to the next is an input: the positions, the
+token ids or hidden states, the masks and the cache rows written. A graph therefore serves
+again for the next step of the same sessions while each still fits in its ``L`` keys, and
+the backend keeps the last few small graphs (`GgmlBackend` ``_graphs``) instead of building
+one per step in Python.
 
 Why a row's result never depends on the rows beside it (batched == solo, bitwise). Each
 output of ``ggml_mul_mat`` is one dot product of a weight row with one activation row (the
@@ -20,11 +27,15 @@ a time; the attention of one session never sees another's rows. What is left is 
 product are SIMD sums over ``L``, whose tail (``L`` mod 8 or 32) is summed apart. ``L`` is
 therefore always a whole number of 64-key blocks, and the keys past a row's position are
 masked to an exact zero weight, so a row's sums are the same whatever chunk it came in:
-prefilled whole, in pieces, or after a prefix restored from the prefix cache.
+prefilled whole, in pieces, or after a prefix restored from the prefix cache. For the same
+reason ``L`` may be any whole number of blocks that holds the session's positions: a graph
+kept for reuse is built with a few blocks of room.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,15 +43,20 @@ import numpy as np
 import numpy.typing as npt
 
 from ._kv import KEY_BLOCK, GgmlKVCache
-from ._lib import F16, F32, I32
+from ._lib import F16, F32, I32, I64
 
 NEG_INF = np.float32(-np.inf)
 
 
 class Graph:
-    """A ggml context with one graph, and the inputs to set once it is allocated."""
+    """A ggml context with one graph, and its inputs (set before every compute).
 
-    def __init__(self, ffi: Any, lib: Any, n_nodes: int) -> None:
+    Args:
+        allocator: a ``ggml_gallocr`` of this graph's own (freed with it), for a graph that is
+            computed more than once; None: the caller passes a shared one to each `compute`.
+    """
+
+    def __init__(self, ffi: Any, lib: Any, n_nodes: int, *, own_allocator: bool = False) -> None:
         self.ffi, self.lib = ffi, lib
         size = lib.ggml_tensor_overhead() * 3 * n_nodes + lib.ggml_graph_overhead_custom(
             n_nodes, False
@@ -50,37 +66,51 @@ class Graph:
         if self.ctx == ffi.NULL:
             raise MemoryError(f"ggml_init could not make a context of {size} bytes")
         self.graph = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
-        self._inputs: list[tuple[Any, npt.NDArray[Any]]] = []
+        self.inputs: list[tuple[Any, np.dtype[Any]]] = []
+        self.allocator = (
+            lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type()) if own_allocator else None
+        )
 
     def close(self) -> None:
+        if self.allocator is not None:
+            self.lib.ggml_gallocr_free(self.allocator)
+            self.allocator = None
         if self.ctx is not None:
             self.lib.ggml_free(self.ctx)
             self.ctx = None
 
-    def input(self, array: npt.NDArray[Any]) -> Any:
-        """A tensor holding ``array`` (C-contiguous; ggml's shape is numpy's reversed)."""
+    def input(self, kind: int, *shape: int) -> Any:
+        """An input tensor of numpy ``shape`` (ggml's is reversed); `compute` takes its values
+        in the order the inputs were made."""
         lib, ctx = self.lib, self.ctx
-        kind = {np.dtype(np.float32): F32, np.dtype(np.int32): I32}[array.dtype]
-        shape = array.shape[::-1]
-        if len(shape) == 1:
-            t = lib.ggml_new_tensor_1d(ctx, kind, shape[0])
-        elif len(shape) == 2:
-            t = lib.ggml_new_tensor_2d(ctx, kind, shape[0], shape[1])
+        ne = shape[::-1]
+        if len(ne) == 1:
+            t = lib.ggml_new_tensor_1d(ctx, kind, ne[0])
+        elif len(ne) == 2:
+            t = lib.ggml_new_tensor_2d(ctx, kind, ne[0], ne[1])
         else:
-            t = lib.ggml_new_tensor_3d(ctx, kind, shape[0], shape[1], shape[2])
+            t = lib.ggml_new_tensor_3d(ctx, kind, ne[0], ne[1], ne[2])
         lib.ggml_set_input(t)
-        self._inputs.append((t, np.ascontiguousarray(array)))
+        self.inputs.append((t, _DTYPES[kind]))
         return t
 
     def expand(self, tensor: Any) -> None:
         self.lib.ggml_build_forward_expand(self.graph, tensor)
 
-    def compute(self, backend: Any, allocator: Any) -> None:
-        """Lay out memory, copy the inputs in and run the graph."""
+    def compute(
+        self, backend: Any, values: Sequence[npt.NDArray[Any]], allocator: Any = None
+    ) -> None:
+        """Lay out memory, copy ``values`` into the inputs and run the graph."""
         lib, ffi = self.lib, self.ffi
-        if not lib.ggml_gallocr_alloc_graph(allocator, self.graph):
+        if len(values) != len(self.inputs):
+            raise ValueError(f"{len(values)} input values for {len(self.inputs)} inputs")
+        if not lib.ggml_gallocr_alloc_graph(allocator or self.allocator, self.graph):
             raise MemoryError("ggml could not allocate the compute buffer for a forward")
-        for tensor, array in self._inputs:
+        for (tensor, dtype), value in zip(self.inputs, values, strict=True):
+            array = np.ascontiguousarray(value, dtype)
+            if array.nbytes != lib.ggml_nbytes(tensor):
+                raise ValueError(f"an input of {array.nbytes} bytes for a tensor of "
+                                 f"{lib.ggml_nbytes(tensor)}")  # fmt: skip
             lib.ggml_backend_tensor_set(
                 tensor, ffi.cast("void *", array.ctypes.data), 0, array.nbytes
             )
@@ -95,6 +125,13 @@ class Graph:
             tensor, self.ffi.cast("void *", out.ctypes.data), 0, out.nbytes
         )
         return out
+
+
+_DTYPES: dict[int, np.dtype[Any]] = {
+    F32: np.dtype(np.float32),
+    I32: np.dtype(np.int32),
+    I64: np.dtype(np.int64),
+}
 
 
 def attention_mask(position: int, rows: int, keys: int, window: int) -> npt.NDArray[np.float32]:
@@ -113,23 +150,97 @@ def attention_mask(position: int, rows: int, keys: int, window: int) -> npt.NDAr
     return mask
 
 
+def key_blocks(needed: int) -> int:
+    """The fewest keys, in whole blocks, that hold ``needed`` positions."""
+    return -(-needed // KEY_BLOCK) * KEY_BLOCK
+
+
 class SessionRows:
-    """One session's part of a graph: its rows in the stack, position, cache and masks."""
+    """One session's part of a graph: its rows in the stack, its cache, and its inputs.
 
-    __slots__ = ("cache", "first", "k", "keys", "masks", "position", "rows", "v")
+    The cache is held weakly (a kept graph must not keep a finished session's memory):
+    `fits` says whether the graph may serve the session's next step.
 
-    def __init__(self, graph: Graph, cache: GgmlKVCache, position: int, first: int, rows: int,
-                 n_layers: int, windows: Sequence[int]) -> None:  # fmt: skip
-        self.cache, self.position, self.first, self.rows = cache, position, first, rows
-        self.keys = -(-(position + rows) // KEY_BLOCK) * KEY_BLOCK
+    Args:
+        first: its first row in the stack; rows: how many.
+        keys: the keys it attends to, a whole number of blocks within the cache's capacity.
+        windows: the attention windows of the graph's layers (0: none), one mask each.
+    """
+
+    __slots__ = ("buffers", "cache", "capacity", "first", "k", "k_rows", "keys", "masks",
+                 "rows", "v", "v_rows", "width")  # fmt: skip
+
+    def __init__(self, graph: Graph, cache: GgmlKVCache, first: int, rows: int, keys: int,
+                 windows: Sequence[int]) -> None:  # fmt: skip
+        if keys % KEY_BLOCK or keys > cache.capacity:
+            raise ValueError(f"{keys} keys for a cache of {cache.capacity}")
+        self.first, self.rows, self.keys = first, rows, keys
+        self.cache = weakref.ref(cache)
+        self.capacity = cap = cache.capacity
+        self.buffers = k_buf, v_buf = cache.buffers()
         lib, ctx = graph.lib, graph.ctx
-        k_buf, v_buf = cache.buffers()
-        n_all, width = cache._shape
-        cap = cache.capacity
-        self.k = lib.ggml_new_tensor_3d(ctx, F16, width, cap, n_all)
+        n_all, self.width = cache._shape
+        self.k = lib.ggml_new_tensor_3d(ctx, F16, self.width, cap, n_all)
         lib.ggml_backend_tensor_alloc(k_buf, self.k, graph.ffi.cast("void *", cache._k.ctypes.data))
-        self.v = lib.ggml_new_tensor_3d(ctx, F16, cap, width, n_all)
+        self.v = lib.ggml_new_tensor_3d(ctx, F16, cap, self.width, n_all)
         lib.ggml_backend_tensor_alloc(v_buf, self.v, graph.ffi.cast("void *", cache._v.ctypes.data))
-        self.masks = {
-            w: graph.input(attention_mask(position, rows, self.keys, w)) for w in set(windows)
-        }
+        self.masks = {w: graph.input(F32, rows, keys) for w in sorted(set(windows))}
+        self.k_rows = graph.input(I64, rows)
+        self.v_rows = graph.input(I64, rows * self.width)
+
+    def fits(self, cache: GgmlKVCache, position: int) -> bool:
+        """Whether this graph's part can compute ``cache``'s rows at ``position..``: the same
+        cache, still in the same memory, and its rows within the keys."""
+        return (
+            self.cache() is cache
+            and cache._buffers is self.buffers
+            and position + self.rows <= self.keys
+        )
+
+    def values(self, position: int) -> list[npt.NDArray[Any]]:
+        """This session's input values for rows at ``position..``, in the order of its inputs."""
+        at = np.arange(position, position + self.rows, dtype=np.int64)
+        masks = [attention_mask(position, self.rows, self.keys, w) for w in self.masks]
+        # value element (t, c) of the new rows goes to column at[t] of the cache's row c
+        v_rows = np.arange(self.width, dtype=np.int64)[None, :] * self.capacity + at[:, None]
+        return [*masks, at, v_rows.ravel()]
+
+
+class Built:
+    """A graph built for some sessions' rows, and how to give it inputs and read it out.
+
+    Args:
+        sessions: each session's part, in the order of its rows in the stack.
+        out: the output tensor, ``shape`` rows by columns once read.
+        picked: the stacked rows the head reads (on the head only), the graph's last input.
+        bounds: where each session's output rows start in ``out``, and where the last ends.
+    """
+
+    __slots__ = ("bounds", "graph", "out", "picked", "sessions", "shape")
+
+    def __init__(self, graph: Graph, sessions: list[SessionRows], out: Any,
+                 shape: tuple[int, int], picked: npt.NDArray[np.int32] | None,
+                 bounds: list[int]) -> None:  # fmt: skip
+        self.graph, self.sessions, self.out, self.shape = graph, sessions, out, shape
+        self.picked, self.bounds = picked, bounds
+
+    def close(self) -> None:
+        self.graph.close()
+
+    def run(
+        self, backend: Any, allocator: Any, positions: Sequence[int],
+        rows: Sequence[npt.NDArray[Any]],
+    ) -> list[npt.NDArray[np.float32]]:  # fmt: skip
+        """Compute each session's ``rows`` of input (token ids or hidden states) at its first
+        position: each session's output rows, logits on the head, else hidden states."""
+        at = np.concatenate(
+            [np.arange(p, p + len(r)) for p, r in zip(positions, rows, strict=True)]
+        )
+        values: list[npt.NDArray[Any]] = [at, np.concatenate(rows)]
+        for p, s in zip(positions, self.sessions, strict=True):
+            values += s.values(p)
+        if self.picked is not None:
+            values.append(self.picked)
+        self.graph.compute(backend, values, allocator)
+        out = self.graph.output(self.out, self.shape)
+        return [out[a:b] for a, b in itertools.pairwise(self.bounds)]

@@ -27,7 +27,7 @@ TENSOR_SIZE: Final = 336  # sizeof(struct ggml_tensor) in 0.20.2
 TENSOR_OVERHEAD: Final = 368  # ggml_tensor_overhead(): the tensor and its object header
 
 # Types as ggml numbers them (enum ggml_type).
-F32, F16, I32 = 0, 1, 26
+F32, F16, I32, I64 = 0, 1, 26, 27
 ROPE_NORMAL, ROPE_NEOX = 0, 2
 
 CDEF: Final = """
@@ -103,12 +103,15 @@ struct ggml_tensor * ggml_geglu_split(
 struct ggml_tensor * ggml_rms_norm(struct ggml_context * ctx, struct ggml_tensor * a, float eps);
 struct ggml_tensor * ggml_mul_mat(
     struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
-struct ggml_tensor * ggml_cpy(
-    struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_set_rows(
+    struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
+    struct ggml_tensor * c);
 struct ggml_tensor * ggml_cont_2d(
     struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1);
 struct ggml_tensor * ggml_concat(
     struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, int dim);
+struct ggml_tensor * ggml_reshape_2d(
+    struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1);
 struct ggml_tensor * ggml_reshape_3d(
     struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2);
 struct ggml_tensor * ggml_view_2d(

@@ -1,0 +1,177 @@
+"""The transformer block as ggml operations: what one layer adds to a graph.
+
+`Blocks` holds what every block of a model shares (its numbers, the RoPE mode, the output
+head) and writes a block into a `Graph` over stacked rows: norms, projections and the MLP on
+all rows at once, attention per session (`SessionRows`), the way llama.cpp's graphs do. It
+computes nothing itself; `GgmlBackend` builds, keeps and runs the graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from ...model import ModelConfig
+from ._graph import Graph, SessionRows
+from ._lib import I32, ROPE_NEOX, ROPE_NORMAL
+
+
+class Layer:
+    """The tensors of one block (headers over the mapped file), by role."""
+
+    __slots__ = (
+        "attn_norm", "bk", "bq", "bv", "ffn_norm", "k_norm", "post_attn", "post_ffn", "q_norm",
+        "rope", "w_down", "w_gate", "w_k", "w_o", "w_q", "w_qkv", "w_up", "w_v", "window",
+    )  # fmt: skip
+
+    def __init__(self, get: Callable[[str], Any], prefix: str, fused_qkv: bool,
+                 fused_gate_up: bool) -> None:  # fmt: skip
+        self.attn_norm = get(prefix + "attn_norm.weight")
+        self.w_qkv = get(prefix + "attn_qkv.weight") if fused_qkv else None
+        self.w_q = None if fused_qkv else get(prefix + "attn_q.weight")
+        self.w_k = None if fused_qkv else get(prefix + "attn_k.weight")
+        self.w_v = None if fused_qkv else get(prefix + "attn_v.weight")
+        self.w_o = get(prefix + "attn_output.weight")
+        self.ffn_norm = get(prefix + "ffn_norm.weight")
+        self.w_gate = None if fused_gate_up else get(prefix + "ffn_gate.weight")
+        self.w_up = get(prefix + "ffn_up.weight")
+        self.w_down = get(prefix + "ffn_down.weight")
+        self.bq = self.bk = self.bv = self.q_norm = self.k_norm = None
+        self.post_attn = self.post_ffn = None
+        self.rope: tuple[float, float, bool] = (0.0, 1.0, False)
+        self.window = 0
+
+
+class Blocks:
+    """Writes a model's blocks and head into graphs.
+
+    Args:
+        lib: the loaded ggml library (`_lib.load`).
+        config: the model's numbers and family traits.
+        factors: the ``rope_freqs`` tensor (Llama 3's frequency factors), if the model has one.
+        out_norm, head_weight: the output norm and head, on the last stage; else None.
+    """
+
+    def __init__(self, lib: Any, config: ModelConfig, *, factors: Any, out_norm: Any,
+                 head_weight: Any) -> None:  # fmt: skip
+        family = config.family
+        self._lib, self.config = lib, config
+        self._eps = float(config.rms_eps)
+        self._rope_mode = ROPE_NORMAL if family.rope_interleaved else ROPE_NEOX
+        self._factors = factors
+        self._gelu = family.activation == "gelu_tanh"
+        self._kq_scale = float(1.0 / math.sqrt(config.head_dim))
+        self._out_norm, self.head_weight = out_norm, head_weight
+
+    def norm(self, g: Graph, x: Any, weight: Any) -> Any:
+        lib = self._lib
+        return lib.ggml_mul(g.ctx, lib.ggml_rms_norm(g.ctx, x, self._eps), weight)
+
+    def block(
+        self, g: Graph, b: Layer, i: int, x: Any, pos: Any, sessions: list[SessionRows], R: int
+    ) -> Any:
+        """Block ``i`` (local number) on the stacked rows ``x`` ``[d_model, R]``."""
+        lib, ctx, c = self._lib, g.ctx, self.config
+        hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
+        cur = self.norm(g, x, b.attn_norm)
+        if b.w_qkv is not None:  # Phi-3: one product, then views of its rows
+            qkv = lib.ggml_mul_mat(ctx, b.w_qkv, cur)
+            row = (nh + 2 * nkv) * hd * 4
+            q = lib.ggml_view_3d(ctx, qkv, hd, nh, R, hd * 4, row, 0)
+            k = lib.ggml_view_3d(ctx, qkv, hd, nkv, R, hd * 4, row, nh * hd * 4)
+            v = lib.ggml_view_2d(ctx, qkv, nkv * hd, R, row, (nh + nkv) * hd * 4)
+            v = lib.ggml_cont_2d(ctx, v, nkv * hd, R)
+        else:
+            q = lib.ggml_mul_mat(ctx, b.w_q, cur)
+            k = lib.ggml_mul_mat(ctx, b.w_k, cur)
+            v = lib.ggml_mul_mat(ctx, b.w_v, cur)
+            if b.bq is not None:
+                q = lib.ggml_add(ctx, q, b.bq)
+                k = lib.ggml_add(ctx, k, b.bk)
+                v = lib.ggml_add(ctx, v, b.bv)
+            q = lib.ggml_reshape_3d(ctx, q, hd, nh, R)
+            k = lib.ggml_reshape_3d(ctx, k, hd, nkv, R)
+        if b.q_norm is not None:
+            q = self.norm(g, q, b.q_norm)
+            k = self.norm(g, k, b.k_norm)
+        base, scale, scaled = b.rope
+        factors = self._factors if scaled and self._factors is not None else g.ffi.NULL
+        rope = (hd, self._rope_mode, c.context_length, base, 1.0 / scale, 0.0, 1.0, 32.0, 1.0)
+        q = lib.ggml_rope_ext(ctx, q, pos, factors, *rope)
+        k = lib.ggml_rope_ext(ctx, k, pos, factors, *rope)
+        parts = [self.attend(g, b, i, s, q, k, v) for s in sessions]
+        attn = concat_rows(lib, ctx, parts)
+        attn = lib.ggml_mul_mat(ctx, b.w_o, attn)
+        if b.post_attn is not None:
+            attn = self.norm(g, attn, b.post_attn)
+        x = lib.ggml_add(ctx, x, attn)
+        cur = self.norm(g, x, b.ffn_norm)
+        if b.w_gate is None:  # Phi-3: [gate; up] in one matrix
+            up = lib.ggml_mul_mat(ctx, b.w_up, cur)
+            act = lib.ggml_geglu(ctx, up) if self._gelu else lib.ggml_swiglu(ctx, up)
+        else:
+            gate = lib.ggml_mul_mat(ctx, b.w_gate, cur)
+            up = lib.ggml_mul_mat(ctx, b.w_up, cur)
+            split = lib.ggml_geglu_split if self._gelu else lib.ggml_swiglu_split
+            act = split(ctx, gate, up)
+        down = lib.ggml_mul_mat(ctx, b.w_down, act)
+        if b.post_ffn is not None:
+            down = self.norm(g, down, b.post_ffn)
+        return lib.ggml_add(ctx, x, down)
+
+    def attend(self, g: Graph, b: Layer, i: int, s: SessionRows, q: Any, k: Any, v: Any) -> Any:
+        """One session's attention in block ``i``: ``[n_heads * head_dim, T]``."""
+        lib, ctx, c = self._lib, g.ctx, self.config
+        hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
+        width, T, cap, L = nkv * hd, s.rows, s.capacity, s.keys
+        f16 = 2
+        k_layer = i * cap * width * f16
+        v_layer = i * width * cap * f16
+        # the session's new keys and values, into its cache (before anything reads it), at
+        # rows that are inputs: key row = position; value element (t, c) = c * cap + position
+        k_new = lib.ggml_view_2d(ctx, k, width, T, width * 4, s.first * width * 4)
+        k_dst = lib.ggml_view_2d(ctx, s.k, width, cap, width * f16, k_layer)
+        g.expand(lib.ggml_set_rows(ctx, k_dst, k_new, s.k_rows))
+        v_new = lib.ggml_view_2d(ctx, v, width, T, width * 4, s.first * width * 4)
+        v_new = lib.ggml_reshape_2d(ctx, v_new, 1, width * T)
+        v_dst = lib.ggml_view_2d(ctx, s.v, 1, cap * width, f16, v_layer)
+        g.expand(lib.ggml_set_rows(ctx, v_dst, v_new, s.v_rows))
+        keys = lib.ggml_view_3d(ctx, s.k, hd, L, nkv, width * f16, hd * f16, k_layer)
+        values = lib.ggml_view_3d(ctx, s.v, L, hd, nkv, cap * f16, hd * cap * f16, v_layer)
+        qs = lib.ggml_view_3d(ctx, q, hd, nh, T, hd * 4, nh * hd * 4, s.first * nh * hd * 4)
+        qs = lib.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [hd, T, nh]
+        kq = lib.ggml_mul_mat(ctx, keys, qs)  # [L, T, nh]
+        cap_scores = c.attn_softcap
+        mask = s.masks[b.window]
+        if cap_scores:
+            kq = lib.ggml_scale(ctx, kq, self._kq_scale / cap_scores)
+            kq = lib.ggml_scale(ctx, lib.ggml_tanh(ctx, kq), cap_scores)
+            kq = lib.ggml_soft_max_ext(ctx, kq, mask, 1.0, 0.0)
+        else:
+            kq = lib.ggml_soft_max_ext(ctx, kq, mask, self._kq_scale, 0.0)
+        out = lib.ggml_mul_mat(ctx, values, kq)  # [hd, T, nh]
+        out = lib.ggml_permute(ctx, out, 0, 2, 1, 3)  # [hd, nh, T]
+        return lib.ggml_cont_2d(ctx, out, nh * hd, T)
+
+    def head(self, g: Graph, x: Any, n_picked: int) -> Any:
+        """The logits of ``n_picked`` rows of ``x``, whose indices are the graph's last input."""
+        lib, ctx = self._lib, g.ctx
+        rows = lib.ggml_get_rows(ctx, x, g.input(I32, n_picked))
+        logits = lib.ggml_mul_mat(ctx, self.head_weight, self.norm(g, rows, self._out_norm))
+        cap = self.config.final_softcap
+        if cap:
+            logits = lib.ggml_scale(
+                ctx, lib.ggml_tanh(ctx, lib.ggml_scale(ctx, logits, 1 / cap)), cap
+            )
+        return logits
+
+
+def concat_rows(lib: Any, ctx: Any, parts: list[Any]) -> Any:
+    """The parts ``[n, T_i]`` side by side ``[n, sum T_i]``, joined as a balanced tree."""
+    while len(parts) > 1:
+        joined = [
+            lib.ggml_concat(ctx, a, b, 1) for a, b in zip(parts[::2], parts[1::2], strict=False)
+        ]
+        parts = joined + ([parts[-1]] if len(parts) % 2 else [])
+    return parts[0]
