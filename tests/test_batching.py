@@ -519,3 +519,12 @@ def test_releasing_free_memory_finds_glibc_here() -> None:
     _util.release_free_memory()  # glibc's malloc_trim on Linux; nothing elsewhere
     _util.release_free_memory()
     assert _util._libc, "malloc_trim was not found: stage memory would only grow"
+
+
+def test_stage0_gathers_one_group_on_numpy_and_two_on_ggml(tmp_path: Path) -> None:
+    from stagerun._driver._pipeline import gather_groups
+    from stagerun.model import open_model
+
+    model = open_model(write_tiny_model(tmp_path / "m.gguf"))
+    assert gather_groups(NumpyBackend(model)) == 1  # one weight read per step for all
+    assert gather_groups(GgmlBackend(model, threads=1)) == 2  # two groups keep stages busy

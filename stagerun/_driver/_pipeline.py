@@ -50,6 +50,7 @@ from .._errors import LaneError
 from .._util import single_exceptions
 from .._wire._connect import ENV_SECRET, alternatives, open_connection
 from ..abc import ComputeBackend, Drafter
+from ..backends import NumpyBackend
 from ..model import ModelFile
 from ._config import DEFAULT_PREFILL_CREDIT, RecoveryPolicy, SpeculationConfig
 from ._lanes import LanePool
@@ -67,12 +68,20 @@ from ._values import (
 
 log = logging.getLogger("stagerun.pipeline")
 
-# Stage 0's ticks gather the decoding requests into this many groups, which then travel down
-# the pipeline together (see TickBatcher). One group: every stage computes every request's
-# step in one tick, which streams the stage's weights (and the output head's) once per step
-# for all of them; measured on 2 cores, 3 stages, 8 clients: 86 tokens/s against 73 for two
-# groups and 67 without gathering.
-GATHER_GROUPS = 1
+
+def gather_groups(backend: object) -> int:
+    """How many groups stage 0's ticks gather the decoding requests into (`TickBatcher`).
+
+    Each group travels down the pipeline together. On numpy, one: every stage computes every
+    request's step in one tick, which streams the stage's float32 weights (and the output
+    head's) once per step for all of them; measured on 2 cores, 3 stages, 8 clients: 86
+    tokens/s against 73 for two groups and 67 without gathering. On ggml a tick costs a
+    fifth of that, the hops and the Python around them weigh more, and with one group the
+    stages mostly wait for each other (busy 0.36 / 0.34 / 0.51 at 8 clients): two groups in
+    flight measured 78.1 / 99.9 tokens/s at 8 / 16 clients against 59.7 / 69.6 for one (three
+    groups: 76.0 / 86.5), one run each on 2 cores, 3 stages.
+    """
+    return 1 if isinstance(backend, NumpyBackend) else 2
 
 
 class Pipeline:
@@ -122,7 +131,7 @@ class Pipeline:
             backend0,
             index=0,
             max_batch=max_batch,
-            gather=GATHER_GROUPS,
+            gather=gather_groups(backend0),
             max_sessions=max_sessions,
             max_kv_tokens=max_kv_tokens,
             prefix_cache_bytes=prefix_cache_bytes,
