@@ -182,6 +182,7 @@ def test_decode_steps_reuse_a_kept_graph_and_compute_what_one_whole_forward_does
     """190 decode steps after a 230-row prompt build 3 graphs, and each step's output is
     bitwise the row the same 420 positions give in one forward (chunk invariance; the whole
     forward is too big to keep, so it is built apart)."""
+    monkeypatch.setattr(_backend, "REUSE_ROWS", 64)
     monkeypatch.setattr(_backend, "REUSE_ROOM", 64)
     rng = np.random.default_rng(7)
     if layers[0]:  # a later stage: hidden states in, hidden states (or logits) out
@@ -210,7 +211,10 @@ def test_decode_steps_reuse_a_kept_graph_and_compute_what_one_whole_forward_does
     assert np.array_equal(steps, expected)
 
 
-def test_a_kept_graph_does_not_keep_its_sessions_caches(smollm2: ModelFile) -> None:
+def test_a_kept_graph_does_not_keep_its_sessions_caches(
+    smollm2: ModelFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_backend, "REUSE_ROWS", 64)
     import weakref
 
     backend = GgmlBackend(smollm2, (0, 2))

@@ -267,6 +267,12 @@ def _add_serve(bench_sub: _SubParsers) -> None:
         help="the llama-server binary (default .cache/llama.cpp/bin/llama-server)",
     )  # fmt: skip
     serve.add_argument("--llama-threads", type=int, default=2, help="llama-server's -t (default 2)")
+    serve.add_argument(
+        "--compare-rpc", action="store_true",
+        help="run the same load against llama.cpp's RPC split: llama-server over --stages "
+        "ggml-rpc-server processes, each behind a proxy delaying --hop-delay-ms (build it "
+        "with plugins/stagerun-llamacpp/scripts/build-rpc.sh)",
+    )  # fmt: skip
     serve.add_argument("--json", action="store_true")
     _png_option(serve, "tokens/s against client count")
     _link_options(serve)

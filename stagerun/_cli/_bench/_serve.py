@@ -19,6 +19,7 @@ outputs (other kernels, other floating point); that count is reported, it never 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -34,6 +35,7 @@ import trio
 from ..._errors import StagerunError
 from ..._util import cpu_seconds
 from ._common import http_exchange, say
+from ._rpc import rpc_binaries, rpc_split
 from ._servers import (
     free_port,
     launched,
@@ -47,6 +49,10 @@ from ._servers import (
 __all__ = ["PROMPTS", "StreamReader", "bench_serve", "percentile", "scaling_ratios"]
 
 #: Open continuations, one per client index, so that clients' outputs differ.
+CURVES = (("stagerun", "stagerun"), ("llama-server", "llama_server"),
+          ("llama.cpp RPC", "llama_rpc"))  # fmt: skip
+"""The systems a report may hold: the name printed, and the report's key."""
+
 PROMPTS: tuple[str, ...] = (
     "Once upon a time, in a village by the sea, there lived a girl named",
     "The old clockmaker opened the drawer and found",
@@ -296,18 +302,27 @@ def _curve(levels: list[dict[str, Any]]) -> dict[str, Any]:
     return {"levels": levels, "scaling": {str(n): r for n, r in ratios.items()}}
 
 
-async def _measure_llama(args: argparse.Namespace, prompts: tuple[str, ...]) -> dict[str, Any]:
+async def _measure_llama(
+    args: argparse.Namespace, prompts: tuple[str, ...], *, rpc: bool = False
+) -> dict[str, Any]:
+    """llama-server ``-np N`` for each client count; with ``rpc``, its RPC build over
+    ``--stages`` RPC servers behind the emulated links (`_rpc`)."""
     from ...model import resolve_model
 
     gguf = resolve_model(args.model)
     solo: list[str] | None = None
     levels = []
+    name = "llama.cpp RPC" if rpc else "llama-server"
     for clients in args.clients:
         port = free_port()
-        cmd = llama_command(args, gguf, clients, port)
-        say(args, "starting " + " ".join(cmd))
-        async with launched(cmd, port, "llama-server") as proc:
-            target = _Target("llama-server", port, proc.pid, gguf.stem, prompts, args.tokens,
+        async with contextlib.AsyncExitStack() as stack:
+            cmd = llama_command(args, gguf, clients, port)
+            if rpc:
+                cmd[0] = str(rpc_binaries()[0])
+                cmd += await stack.enter_async_context(rpc_split(args))
+            say(args, "starting " + " ".join(cmd))
+            proc = await stack.enter_async_context(launched(cmd, port, name))
+            target = _Target(name, port, proc.pid, gguf.stem, prompts, args.tokens,
                              chat=args.prompts == "copy")  # fmt: skip
             if solo is None:
                 solo = await _solo(target)
@@ -328,6 +343,8 @@ def _check(args: argparse.Namespace) -> None:
         binary = llama_server_path(args)
         if not (binary.is_file() and os.access(binary, os.X_OK)):
             raise ValueError(f"no llama-server at {binary}: give its path with --llama-server")
+    if args.compare_rpc:
+        rpc_binaries()  # built, or say how
     if args.png:
         from .._plots import require_matplotlib
 
@@ -359,6 +376,9 @@ async def bench_serve(args: argparse.Namespace) -> int:
     report["llama_server"] = None
     if args.compare_llama_server:
         report["llama_server"] = await _measure_llama(args, prompts)
+    report["llama_rpc"] = (
+        await _measure_llama(args, prompts, rpc=True) if args.compare_rpc else None
+    )
     report["mismatches"] = sum(row["mismatches"] for row in report["stagerun"]["levels"])
     if args.png:
         plot_scaling(report, args.png)
@@ -388,11 +408,11 @@ def _print_curve(name: str, curve: Mapping[str, Any]) -> None:
         )
 
 
-def _print_side_by_side(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> None:
-    print("side by side\n  clients  stagerun tokens/s  scaling  llama-server tokens/s  scaling")
-    for a, b in zip(ours["levels"], theirs["levels"], strict=True):
-        print(f"  {a['clients']:7d} {a['tokens_per_second']:18.1f} {a['scaling']:7.2f}x "
-              f"{b['tokens_per_second']:22.1f} {b['scaling']:7.2f}x")  # fmt: skip
+def _print_side_by_side(curves: Mapping[str, Mapping[str, Any]]) -> None:
+    print("side by side, tokens/s (scaling)\n  clients" + "".join(f"  {n:>22}" for n in curves))
+    for rows in zip(*(curve["levels"] for curve in curves.values()), strict=True):
+        cells = "".join(f"  {r['tokens_per_second']:13.1f} ({r['scaling']:5.2f}x)" for r in rows)
+        print(f"  {rows[0]['clients']:7d}{cells}")
 
 
 def _print_report(report: Mapping[str, Any]) -> None:
@@ -400,12 +420,13 @@ def _print_report(report: Mapping[str, Any]) -> None:
           f"{report['requests_per_client']} requests per client, hop delay "
           f"{report['hop_delay_ms']:g} ms, speculative {report['speculative']}; latencies "
           "are p50/p99, busy is CPU seconds per second of each stage process")  # fmt: skip
-    curves = {"stagerun": report["stagerun"], "llama-server": report["llama_server"]}
-    curves = {name: curve for name, curve in curves.items() if curve is not None}
+    curves: dict[str, Mapping[str, Any]] = {
+        name: report[key] for name, key in CURVES if report.get(key) is not None
+    }
     for name, curve in curves.items():
         _print_curve(name, curve)
-    if len(curves) == 2:
-        _print_side_by_side(curves["stagerun"], curves["llama-server"])
+    if len(curves) > 1:
+        _print_side_by_side(curves)
     clients = report["clients"]
     top = 8 if 8 in clients else max(clients)
     ratios = [f"{name} {curve['scaling'][str(top)]:.2f}x" for name, curve in curves.items()]
@@ -414,13 +435,13 @@ def _print_report(report: Mapping[str, Any]) -> None:
 
 
 def plot_scaling(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
-    """Tokens/s against client count, a line for stagerun and one for llama-server if run."""
+    """Tokens/s against client count, a line for stagerun and one for each system compared."""
     from .._plots import require_matplotlib
 
     plt = require_matplotlib()
     figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120, layout="constrained")
     try:
-        for name, key in (("stagerun", "stagerun"), ("llama-server", "llama_server")):
+        for name, key in CURVES:
             if (curve := report.get(key)) is not None:
                 rows = curve["levels"]
                 axes.plot([r["clients"] for r in rows], [r["tokens_per_second"] for r in rows],
