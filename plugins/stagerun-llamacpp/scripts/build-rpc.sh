@@ -9,10 +9,8 @@ if [ $# -gt 0 ]; then PIP=("$@"); else PIP=(pip); fi
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 CACHE="$ROOT/.cache"
 VERSION=0.3.36
-# The flags of build.sh (its comment says why), and RPC.
-FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-if grep -qw avx512f /proc/cpuinfo; then FLAGS="$FLAGS -DGGML_AVX512=ON"; fi
-if grep -qw avx512_vnni /proc/cpuinfo; then FLAGS="$FLAGS -DGGML_AVX512_VNNI=ON"; fi
+# shellcheck source=flags.sh
+source "$(dirname "$0")/flags.sh"
 FLAGS="$FLAGS -DGGML_RPC=ON"
 OUT="$CACHE/llama.cpp/rpc"
 mkdir -p "$OUT" "$CACHE/sdist"

@@ -9,11 +9,8 @@ if [ $# -gt 0 ]; then PIP=("$@"); else PIP=(pip); fi
 ROOT="$(cd "$(dirname "$0")/../../.." && pwd)"
 CACHE="$ROOT/.cache"
 VERSION=0.3.36
-# Not GGML_NATIVE (its AMX code crashes on these CPUs): AVX2 always, AVX-512 where the CPU has
-# it (a build with it dies of SIGILL on an AVX2-only CPU, AMD Zen 3 say).
-FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-if grep -qw avx512f /proc/cpuinfo; then FLAGS="$FLAGS -DGGML_AVX512=ON"; fi
-if grep -qw avx512_vnni /proc/cpuinfo; then FLAGS="$FLAGS -DGGML_AVX512_VNNI=ON"; fi
+# shellcheck source=flags.sh
+source "$(dirname "$0")/flags.sh"
 mkdir -p "$CACHE/wheels" "$CACHE/sdist" "$CACHE/llama.cpp"
 # What was built for other flags (another CPU) is built again.
 if [ "$(cat "$CACHE/llama.cpp/flags" 2>/dev/null)" != "$FLAGS" ]; then
