@@ -262,7 +262,8 @@ def test_bench_timeline_runs_requests_at_once_and_lays_out_all_of_them(
     for stage, busy in enumerate(report["per_stage_busy"]):
         summed = sum(r["per_stage_ms"][stage]["compute"] + r["per_stage_ms"][stage]["stale"]
                      for r in requests)  # fmt: skip
-        assert 0 < busy["busy_ms"] <= summed + 1e-6
+        rounding = 1e-3 * (2 * len(requests) + 1)  # each figure is rounded to the microsecond
+        assert 0 < busy["busy_ms"] <= summed + rounding
         assert busy["busy_fraction"] == pytest.approx(busy["busy_ms"] / report["elapsed_ms"], 1e-3)
     assert png_size(png)[0] > 1000
     # the trace holds the warm-up too: the last two to finish are the two requests
