@@ -211,6 +211,29 @@ def test_decode_steps_reuse_a_kept_graph_and_compute_what_one_whole_forward_does
     assert np.array_equal(steps, expected)
 
 
+def test_a_kept_graph_lives_in_its_own_memory_while_bigger_graphs_come_and_go(
+    smollm2: ModelFile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefills of growing size between one session's decode steps make the shared compute
+    buffer grow (freed and allocated again): the kept graph of the decode steps must not have
+    been laid out in it (once it was, and stage 0 crashed with a corrupted heap)."""
+    monkeypatch.setattr(_backend, "REUSE_ROWS", 64)
+    rng = np.random.default_rng(11)
+    tokens = rng.integers(0, smollm2.config.vocab_size, 112)  # a prompt of 80 is not kept
+    alone = _steps(GgmlBackend(smollm2, (0, 3), threads=1), tokens, 80)[80:]
+    backend = GgmlBackend(smollm2, (0, 3), threads=1)
+    cache = backend.new_cache()
+    backend.forward(cache, 0, tokens=tokens[:80])
+    steps = []
+    for at in range(80, len(tokens)):
+        steps.append(backend.forward(cache, at, logits="all", tokens=tokens[at : at + 1]))
+        if at % 8 == 0:  # a bigger prompt of another session each time: never kept
+            prompt = rng.integers(0, smollm2.config.vocab_size, 10 * at)
+            backend.forward(backend.new_cache(), 0, tokens=prompt)
+    assert len(backend._graphs) == 1, "the decode steps' graph is kept throughout"
+    assert np.array_equal(np.concatenate(steps), alone)
+
+
 def test_a_kept_graph_does_not_keep_its_sessions_caches(
     smollm2: ModelFile, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -47,12 +47,8 @@ __all__ = ["GgmlBackend"]
 F32 = npt.NDArray[np.float32]
 SEGMENT_ROW_LAYERS = 2048
 """Rows times layers per graph: a forward bigger than this is cut between layers (polled)."""
-REUSE_ROWS = 0
-"""A graph of at most this many rows (decode steps, verify windows) is kept for the next.
-
-Off (0) for now: with 64, `stagerun bench chat --clients 4` (prefix cache on, 3 stages)
-crashes stage 0 with SIGSEGV in about half the runs, and the cause is not found yet. One
-stream measured 0.7-1.6 ms a step faster with it (docs/benchmarks.md)."""
+REUSE_ROWS = 64
+"""A graph of at most this many rows (decode steps, verify windows) is kept for the next."""
 REUSE_ROOM = 128
 """Positions of room a kept graph's attention is built with: steps it can serve again."""
 KEPT_GRAPHS = 4

@@ -100,11 +100,17 @@ class Graph:
     def compute(
         self, backend: Any, values: Sequence[npt.NDArray[Any]], allocator: Any = None
     ) -> None:
-        """Lay out memory, copy ``values`` into the inputs and run the graph."""
+        """Lay out memory (in the graph's own allocator if it has one, else ``allocator``),
+        copy ``values`` into the inputs and run the graph."""
         lib, ffi = self.lib, self.ffi
         if len(values) != len(self.inputs):
             raise ValueError(f"{len(values)} input values for {len(self.inputs)} inputs")
-        if not lib.ggml_gallocr_alloc_graph(allocator or self.allocator, self.graph):
+        # a graph with its own allocator stays in its own memory: laid out in a shared one, its
+        # tensors would point into a buffer that the next bigger graph frees
+        own = self.allocator if self.allocator is not None else allocator
+        if own is None:
+            raise ValueError("a graph without an allocator of its own needs one to compute")
+        if not lib.ggml_gallocr_alloc_graph(own, self.graph):
             raise MemoryError("ggml could not allocate the compute buffer for a forward")
         for (tensor, dtype), value in zip(self.inputs, values, strict=True):
             array = np.ascontiguousarray(value, dtype)
