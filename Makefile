@@ -19,8 +19,9 @@ $(STAMP): $(PY) pyproject.toml
 
 # The plugins in plugins/ and the example plugins, installed like a third party's
 # (their dependencies, torch included, come with the test and reference extras).
-# llama-cpp-python and llama-server are built from source once (about 10 minutes on 2 cores)
-# and kept in .cache/ (git-ignored), so later runs install in seconds.
+# llama.cpp is compiled from source once, for llama-cpp-python, llama-server and ggml-rpc-server
+# (about 6 minutes on 2 cores; scripts/build.sh says why), and kept in .cache/ (git-ignored), so
+# later runs install in seconds.
 PLUGINS := plugins/stagerun-unix plugins/stagerun-torch plugins/stagerun-llamacpp \
 	examples/custom_drafter examples/gemma2_family
 

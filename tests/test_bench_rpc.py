@@ -54,5 +54,5 @@ def test_a_missing_rpc_build_is_refused_before_anything_starts(
         compare_rpc=True,
         png=None,
     )
-    with pytest.raises(ValueError, match=r"build-rpc\.sh"):
+    with pytest.raises(ValueError, match=r"scripts/build\.sh"):
         _check(args)

@@ -201,3 +201,20 @@ def test_level_report_counts_outputs_that_differ_from_the_solo_run() -> None:
     assert row["mismatches"] == 1 and row["completion_tokens"] == 4
     assert row["tokens_per_second"] == 8.0 and row["busy"] == [0.5, None]
     assert row["ttft_p50_ms"] == pytest.approx(200.0) and row["itl_p99_ms"] == pytest.approx(69.8)
+
+
+def test_bench_serve_runs_the_same_load_against_llama_cpp_s_rpc_split(
+    tiny_model_path: pathlib.Path, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
+) -> None:
+    """make test builds llama.cpp with RPC (scripts/build.sh): two devices behind delaying
+    proxies serve the same load, and the PNG has its curve."""
+    png = tmp_path / "serve.png"
+    argv = _bench(tiny_model_path, "--compare-rpc", "--stages", "2", "--hop-delay-ms", "2",
+                  "--png", str(png))  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    _check_curve(report["stagerun"], stages=2)
+    rpc = report["llama_rpc"]
+    assert [row["clients"] for row in rpc["levels"]] == [1, 2]
+    assert all(row["tokens_per_second"] > 0 and row["rejected"] == 0 for row in rpc["levels"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -270,8 +270,8 @@ def _add_serve(bench_sub: _SubParsers) -> None:
     serve.add_argument(
         "--compare-rpc", action="store_true",
         help="run the same load against llama.cpp's RPC split: llama-server over --stages "
-        "ggml-rpc-server processes, each behind a proxy delaying --hop-delay-ms (build it "
-        "with plugins/stagerun-llamacpp/scripts/build-rpc.sh)",
+        "ggml-rpc-server processes, each behind a proxy delaying --hop-delay-ms (built by "
+        "plugins/stagerun-llamacpp/scripts/build.sh, which make test runs)",
     )  # fmt: skip
     serve.add_argument("--json", action="store_true")
     _png_option(serve, "tokens/s against client count")

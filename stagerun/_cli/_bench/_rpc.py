@@ -9,8 +9,8 @@ so every byte between the main process and a device arrives ``--hop-delay-ms`` l
 each direction, as every frame on a stagerun lane does (``serve --hop-delay-ms``). The
 proxies delay; they do not cap bandwidth (stagerun's ``--bandwidth-mbps`` has no match here).
 
-The binaries come from ``plugins/stagerun-llamacpp/scripts/build-rpc.sh`` (not part of
-``make test``): the vendored llama.cpp of the llamacpp plugin, built with ``GGML_RPC``.
+The binaries come from ``plugins/stagerun-llamacpp/scripts/build.sh`` (which ``make test``
+runs): the vendored llama.cpp of the llamacpp plugin, built with ``GGML_RPC``.
 """
 
 from __future__ import annotations
@@ -29,21 +29,21 @@ from ._servers import free_port
 
 __all__ = ["RPC_BIN", "rpc_binaries", "rpc_split", "serve_delayed"]
 
-RPC_BIN = pathlib.Path(".cache/llama.cpp/rpc/bin")  # in a checkout of stagerun
+RPC_BIN = pathlib.Path(".cache/llama.cpp/bin")  # in a checkout of stagerun
 MAX_QUEUED = 1024  # reads of 64 KiB held per direction of a proxied connection: 64 MiB
 _READY_DEADLINE_S = 60.0
 
 
 def rpc_binaries() -> tuple[pathlib.Path, pathlib.Path]:
-    """The RPC build's ``llama-server`` and ``ggml-rpc-server``, or a ValueError saying how to
-    build them."""
+    """The ``llama-server`` and ``ggml-rpc-server`` built with RPC, or a ValueError saying how
+    to build them."""
     checkout = pathlib.Path(__file__).resolve().parents[3] / RPC_BIN
     folder = checkout if checkout.is_dir() else RPC_BIN
     server, device = folder / "llama-server", folder / "ggml-rpc-server"
     if not (server.is_file() and device.is_file()):
         raise ValueError(
             f"no llama.cpp RPC build in {folder}: run "
-            "plugins/stagerun-llamacpp/scripts/build-rpc.sh (about 8 minutes) first"
+            "plugins/stagerun-llamacpp/scripts/build.sh (about 7 minutes; make test runs it) first"
         )
     return server, device
 
