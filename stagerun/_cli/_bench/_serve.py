@@ -451,10 +451,22 @@ def plot_scaling(report: Mapping[str, Any], path: str | pathlib.Path) -> None:
         axes.set_xlabel("concurrent clients")
         axes.set_ylabel("decode tokens/s (all clients)")
         axes.set_ylim(bottom=0)
-        axes.set_title(f"{report['model']}, {report['stages']} stages, {report['tokens']} "
-                       f"tokens per request", fontsize=10)  # fmt: skip
+        axes.set_title(_title(report), fontsize=10)
         axes.legend()
         axes.grid(alpha=0.3)
         figure.savefig(path)
     finally:
         plt.close(figure)
+
+
+def _title(report: Mapping[str, Any]) -> str:
+    """What the curves were measured with: model, stages, tokens, and the links and drafts."""
+    parts = [str(report["model"]), f"{report['stages']} stages",
+             f"{report['tokens']} tokens per request"]  # fmt: skip
+    if report.get("hop_delay_ms"):
+        parts.append(f"{report['hop_delay_ms']:g} ms per hop")
+    if report.get("speculative") not in (None, "off"):
+        parts.append(f"stagerun drafts with {report['speculative']}")
+    if report.get("prompt_kind") == "copy":
+        parts.append("copy prompts")
+    return ", ".join(parts)
