@@ -225,3 +225,26 @@ def test_smollm2_chat_template_is_chatml(smollm2: ModelFile) -> None:
     assert smollm2.tokenizer.decode(ids) == text
     with_system = [{"role": "system", "content": "Be brief."}, *messages]
     assert SMOL_SYSTEM not in smollm2.render_chat(with_system, add_generation_prompt=False)
+
+
+def test_a_gguf_s_tokenizer_holds_no_python_object_per_token() -> None:
+    """The vocabulary stays the file's string array, read in place: a list of the 49,152
+    tokens would hold ~3 MB of Python objects here (Gemma 3's 262,144: 28 MB)."""
+    import gc
+    import tracemalloc
+
+    from stagerun.model import open_model
+
+    model = open_model("smollm2")
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        tokenizer = model.tokenizer
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert tokenizer.vocab_size == 49152
+    assert held < 1_000_000, f"the tokenizer holds {held / 1e6:.1f} MB of Python objects"
+    assert tokenizer.token_text(2) == "<|im_end|>" and tokenizer.token_bytes(28) == b","
