@@ -248,3 +248,23 @@ def test_a_gguf_s_tokenizer_holds_no_python_object_per_token() -> None:
     assert tokenizer.vocab_size == 49152
     assert held < 1_000_000, f"the tokenizer holds {held / 1e6:.1f} MB of Python objects"
     assert tokenizer.token_text(2) == "<|im_end|>" and tokenizer.token_bytes(28) == b","
+
+
+@given(st.lists(st.text(max_size=6), max_size=12))
+def test_string_array_char_lengths_count_characters_without_decoding(items: list[str]) -> None:
+    """Laid out as a GGUF string array (each item after its 8-byte length), empty items and
+    multi-byte characters included."""
+    import numpy as np
+
+    from stagerun.model._gguf_file import StringArray
+
+    blob, starts, ends = b"", [], []
+    for item in items:
+        raw = item.encode("utf-8")
+        blob += len(raw).to_bytes(8, "little")
+        starts.append(len(blob))
+        blob += raw
+        ends.append(len(blob))
+    array = StringArray(memoryview(blob), np.array(starts, np.int64), np.array(ends, np.int64))
+    assert list(array) == items
+    assert array.char_lengths().tolist() == [len(item) for item in items]

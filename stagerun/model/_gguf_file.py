@@ -63,6 +63,22 @@ class StringArray(Sequence[str]):
         for start, end in zip(self._starts.tolist(), self._ends.tolist(), strict=True):
             yield bytes(data[start:end]).decode("utf-8")
 
+    def char_lengths(self) -> npt.NDArray[np.int64]:
+        """Each item's length in characters, without decoding it: its UTF-8 bytes that do not
+        continue a character (Gemma 3's 262,144 tokens: milliseconds, not 0.25 s)."""
+        if not len(self):
+            return np.zeros(0, np.int64)
+        lo, hi = int(self._starts.min()), int(self._ends.max())
+        raw = np.frombuffer(self._data[lo:hi], np.uint8)
+        leading = ((raw & 0xC0) != 0x80).view(np.uint8)
+        # sums over [start, end) of each item and [end, next start) between them
+        bounds = np.stack([self._starts - lo, self._ends - lo], axis=1).ravel()
+        out: npt.NDArray[np.int64] = np.add.reduceat(np.append(leading, 0), bounds, dtype=np.int64)[
+            ::2
+        ]
+        out[self._starts == self._ends] = 0  # reduceat gives an empty item the next byte
+        return out
+
 
 class GgufReader(gguf.GGUFReader):
     """``gguf.GGUFReader`` with arrays read in one piece: 0.3 s for Gemma 3's header, not 9.

@@ -375,6 +375,12 @@ class Tokenizer:
         """Text of ``ids``; control tokens are written out unless ``skip_special``."""
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special))
 
+    def longest_token_chars(self) -> int:
+        """The characters of the longest vocabulary entry, as the file spells it."""
+        if isinstance(self._tokens, StringArray):
+            return int(self._tokens.char_lengths().max(initial=0))
+        return max((len(text) for text in self._tokens), default=0)
+
     def token_text(self, token_id: int | None) -> str:
         """The vocabulary entry of a token as the file spells it ('' for None)."""
         return "" if token_id is None else self._tokens[token_id]

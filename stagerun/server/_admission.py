@@ -52,7 +52,7 @@ MAX_TOKENIZING = 32
 
 @functools.lru_cache(maxsize=16)
 def _longest_token_chars(tokenizer: Tokenizer) -> int:
-    return max((len(tokenizer.token_text(i)) for i in range(tokenizer.vocab_size)), default=1)
+    return max(tokenizer.longest_token_chars(), 1)
 
 
 def prompt_char_limit(tokenizer: Tokenizer, context_length: int) -> int:
