@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import pathlib
+import tracemalloc
 
 import attrs
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +21,7 @@ from stagerun.model import (
     open_model,
     render_chat,
 )
+from stagerun.model._gguf_file import StringArray
 
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 TEXTS = [
@@ -230,11 +234,6 @@ def test_smollm2_chat_template_is_chatml(smollm2: ModelFile) -> None:
 def test_a_gguf_s_tokenizer_holds_no_python_object_per_token() -> None:
     """The vocabulary stays the file's string array, read in place: a list of the 49,152
     tokens would hold ~3 MB of Python objects here (Gemma 3's 262,144: 28 MB)."""
-    import gc
-    import tracemalloc
-
-    from stagerun.model import open_model
-
     model = open_model("smollm2")
     gc.collect()
     tracemalloc.start()
@@ -254,10 +253,6 @@ def test_a_gguf_s_tokenizer_holds_no_python_object_per_token() -> None:
 def test_string_array_char_lengths_count_characters_without_decoding(items: list[str]) -> None:
     """Laid out as a GGUF string array (each item after its 8-byte length), empty items and
     multi-byte characters included."""
-    import numpy as np
-
-    from stagerun.model._gguf_file import StringArray
-
     blob, starts, ends = b"", [], []
     for item in items:
         raw = item.encode("utf-8")

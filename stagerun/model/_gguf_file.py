@@ -73,9 +73,8 @@ class StringArray(Sequence[str]):
         leading = ((raw & 0xC0) != 0x80).view(np.uint8)
         # sums over [start, end) of each item and [end, next start) between them
         bounds = np.stack([self._starts - lo, self._ends - lo], axis=1).ravel()
-        out: npt.NDArray[np.int64] = np.add.reduceat(np.append(leading, 0), bounds, dtype=np.int64)[
-            ::2
-        ]
+        sums = np.add.reduceat(np.append(leading, 0), bounds, dtype=np.int64)
+        out: npt.NDArray[np.int64] = sums[::2]
         out[self._starts == self._ends] = 0  # reduceat gives an empty item the next byte
         return out
 

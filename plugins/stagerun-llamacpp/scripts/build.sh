@@ -60,17 +60,22 @@ if ! { cmake -S "$WORK/src/vendor/llama.cpp" -B "$WORK/build" \
     echo "building llama.cpp failed; the whole log is $LOG" >&2
     exit 1
 fi
-mkdir -p "$WORK/lib"
-for lib in $LIBS; do
-    found=$(find "$WORK/build" -name "$lib" | head -1)
+# copy_built NAME FOLDER: the file the build made under NAME, into FOLDER (links followed)
+copy_built() {
+    local found
+    found=$(find "$WORK/build" -name "$1" | head -1)
     if [ -z "$found" ]; then
-        echo "the build made no $lib; the log is $LOG" >&2
+        echo "the build made no $1; the log is $LOG" >&2
         exit 1
     fi
+    cp -L "$found" "$2/$1"
+}
+mkdir -p "$WORK/lib"
+for lib in $LIBS; do
     # each under its file name and its soname (what the others ask the loader for)
-    cp -L "$found" "$WORK/lib/$lib"
-    soname=$(objdump -p "$found" | awk '/SONAME/ {print $2}')
-    if [ -n "$soname" ] && [ "$soname" != "$lib" ]; then cp -L "$found" "$WORK/lib/$soname"; fi
+    copy_built "$lib" "$WORK/lib"
+    soname=$(objdump -p "$WORK/lib/$lib" | awk '/SONAME/ {print $2}')
+    if [ -n "$soname" ] && [ "$soname" != "$lib" ]; then copy_built "$soname" "$WORK/lib"; fi
 done
 
 echo "building the llama-cpp-python $VERSION wheel around those libraries..." >&2
@@ -105,20 +110,17 @@ EOF
 
 mkdir -p "$CACHE/llama.cpp/bin"
 cp "$WORK/lib"/* "$CACHE/llama.cpp/bin/"
-cp "$(find "$WORK/build" -name llama-server -type f | head -1)" "$SERVER"
-cp "$(find "$WORK/build" -name ggml-rpc-server -type f | head -1)" "$RPC_SERVER"
+copy_built llama-server "$CACHE/llama.cpp/bin"
+copy_built ggml-rpc-server "$CACHE/llama.cpp/bin"
 # and the servers' own libraries (llama-server's implementation is one), found through $ORIGIN
 for _ in 1 2 3 4; do  # what they need, then what that needs
     for lib in $(ldd "$SERVER" "$RPC_SERVER" | awk '/not found/ {print $1}' | sort -u); do
-        found=$(find "$WORK/build" -name "$lib" | head -1)
-        if [ -z "$found" ]; then
-            echo "the servers need $lib, which the build did not make; the log is $LOG" >&2
-            exit 1
-        fi
-        cp -L "$found" "$CACHE/llama.cpp/bin/$lib"
+        copy_built "$lib" "$CACHE/llama.cpp/bin"
     done
 done
-"$SERVER" --version >/dev/null 2>&1 || { echo "the built llama-server does not run" >&2; exit 1; }
-if ldd "$RPC_SERVER" | grep -q "not found"; then echo "ggml-rpc-server lacks a library" >&2; exit 1; fi
+if ldd "$SERVER" "$RPC_SERVER" | grep -q "not found" || ! "$SERVER" --version >/dev/null 2>&1; then
+    echo "the built servers do not run: ldd $SERVER $RPC_SERVER" >&2
+    exit 1
+fi
 rm -rf "$WORK"
 echo "$SERVER"
