@@ -231,6 +231,7 @@ def test_a_kept_graph_lives_in_its_own_memory_while_bigger_graphs_come_and_go(
             prompt = rng.integers(0, smollm2.config.vocab_size, 10 * at)
             backend.forward(backend.new_cache(), 0, tokens=prompt)
     assert len(backend._graphs) == 1, "the decode steps' graph is kept throughout"
+    assert len({row.tobytes() for row in alone}) == len(alone) == 32  # every step its own
     assert np.array_equal(np.concatenate(steps), alone)
 
 
