@@ -337,3 +337,18 @@ def test_a_stage_whose_port_is_taken_says_so_in_one_line(tiny_model: ModelFile) 
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     assert f"stagerun: error: cannot listen on tcp://127.0.0.1:{port}:" in done.stderr
+
+
+def test_no_server_outlives_a_sigkilled_bench(tiny: Path, tmp_path: Path) -> None:
+    # bench serve: its server writes to a file, so no broken pipe would end it either
+    args = ["bench", "serve", "--model", str(tiny), "--stages", "2", "--clients", "1",
+            "--requests-per-client", "100000"]  # fmt: skip
+    with _started(args, tmp_path) as proc:
+        deadline = time.monotonic() + 120
+        while not (served := _children(proc.pid)) or not _children(served[0]):
+            assert proc.poll() is None, (tmp_path / "log").read_text()
+            assert time.monotonic() < deadline, "the bench's server never started its stages"
+            time.sleep(0.05)
+        (serve,) = served
+        took = _assert_gone_after_sigkill(proc, [serve, *_children(serve)])
+    print(f"the bench's server and its stages gone {took * 1000:.0f} ms after SIGKILL of bench")

@@ -77,7 +77,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "plugins":
         return _plugins(args)
     if args.command == "serve":
+        from .._driver._supervise import exit_with_parent
         from ._serve import serve_main
+
+        exit_with_parent()  # only when a supervisor (a bench) started it so
 
         return serve_main(args)
     return 2

@@ -41,7 +41,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, cast, get_args
 
 import attrs
@@ -150,6 +150,30 @@ async def spawn_process(
             finally:
                 os.close(watch_read)
             task_status.started(proc)
+    finally:
+        os.close(watch_write)
+
+
+@contextlib.asynccontextmanager
+async def watched_process(command: Sequence[str], **options: Any) -> AsyncIterator[trio.Process]:
+    """`trio.lowlevel.open_process` for a ``stagerun`` child that must not outlive this process.
+
+    The child gets the same stdin pipe as `spawn_process` gives a stage, and
+    ``$STAGERUN_EXIT_WITH_PARENT``, so that `exit_with_parent` ends it when this process dies,
+    even by SIGKILL (a bench killed mid-run left its ``stagerun serve`` running). The caller
+    still stops the child itself on the way out; a program that does not watch its stdin
+    (``llama-server``) is unaffected.
+    """
+    env = {**(options.pop("env", None) or os.environ), EXIT_WITH_PARENT_ENV: "1"}
+    watch_read, watch_write = os.pipe()
+    try:
+        try:
+            proc = await trio.lowlevel.open_process(
+                list(command), stdin=watch_read, env=env, **options
+            )
+        finally:
+            os.close(watch_read)
+        yield proc
     finally:
         os.close(watch_write)
 

@@ -21,6 +21,7 @@ from typing import IO
 
 import trio
 
+from ..._driver._supervise import watched_process
 from ..._errors import StagerunError
 from ._common import http_exchange
 from ._service import _stop_server
@@ -95,12 +96,12 @@ async def _wait_healthy(proc: trio.Process, port: int, log: IO[bytes], what: str
 async def launched(cmd: Sequence[str], port: int, what: str) -> AsyncIterator[trio.Process]:
     """A server started from ``cmd``, once it is healthy on ``port``; stopped on the way out."""
     with tempfile.TemporaryFile() as log:
-        proc = await trio.lowlevel.open_process(list(cmd), stdout=log, stderr=log)
-        try:
-            await _wait_healthy(proc, port, log, what)
-            yield proc
-        finally:
-            await _stop_server(proc)
+        async with watched_process(cmd, stdout=log, stderr=log) as proc:
+            try:
+                await _wait_healthy(proc, port, log, what)
+                yield proc
+            finally:
+                await _stop_server(proc)
 
 
 def serve_command(args: argparse.Namespace, port: int) -> list[str]:

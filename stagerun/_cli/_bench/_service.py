@@ -13,6 +13,7 @@ from typing import Any
 
 import trio
 
+from ..._driver._supervise import watched_process
 from ..._proto import SamplingParams
 from ._common import bench_pipeline, http_exchange, say
 
@@ -147,20 +148,20 @@ async def bench_load(args: argparse.Namespace) -> int:
     if args.max_queue is not None:
         cmd += ["--max-queue", str(args.max_queue)]
     say(args, "starting " + " ".join(cmd[2:]))
-    proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
-    try:
-        host, port = await _listening_address(proc)
-        clients = _LoadClients(args, model_id, host, port)
-        await clients.run(args.clients)
-        warm = process_tree_rss_mb(proc.pid)
-        clients.outcomes.clear()
-        clients.latencies.clear()
-        started = time.perf_counter()
-        await clients.run(args.requests)
-        elapsed = time.perf_counter() - started
-        after = process_tree_rss_mb(proc.pid)
-    finally:
-        await _stop_server(proc)
+    async with watched_process(cmd, stdout=subprocess.PIPE) as proc:
+        try:
+            host, port = await _listening_address(proc)
+            clients = _LoadClients(args, model_id, host, port)
+            await clients.run(args.clients)
+            warm = process_tree_rss_mb(proc.pid)
+            clients.outcomes.clear()
+            clients.latencies.clear()
+            started = time.perf_counter()
+            await clients.run(args.requests)
+            elapsed = time.perf_counter() - started
+            after = process_tree_rss_mb(proc.pid)
+        finally:
+            await _stop_server(proc)
     return _report_load(args, clients.outcomes, clients.latencies, elapsed, warm, after)
 
 
