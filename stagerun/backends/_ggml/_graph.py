@@ -35,6 +35,7 @@ kept for reuse is built with a few blocks of room.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -66,7 +67,7 @@ class Graph:
         if self.ctx == ffi.NULL:
             raise MemoryError(f"ggml_init could not make a context of {size} bytes")
         self.graph = lib.ggml_new_graph_custom(self.ctx, n_nodes, False)
-        self.inputs: list[tuple[Any, np.dtype[Any]]] = []
+        self.inputs: list[tuple[Any, np.dtype[Any], int]] = []
         self.allocator = (
             lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type()) if own_allocator else None
         )
@@ -91,7 +92,8 @@ class Graph:
         else:
             t = lib.ggml_new_tensor_3d(ctx, kind, ne[0], ne[1], ne[2])
         lib.ggml_set_input(t)
-        self.inputs.append((t, _DTYPES[kind]))
+        dtype = _DTYPES[kind]
+        self.inputs.append((t, dtype, dtype.itemsize * math.prod(shape)))
         return t
 
     def expand(self, tensor: Any) -> None:
@@ -112,14 +114,13 @@ class Graph:
             raise ValueError("a graph without an allocator of its own needs one to compute")
         if not lib.ggml_gallocr_alloc_graph(own, self.graph):
             raise MemoryError("ggml could not allocate the compute buffer for a forward")
-        for (tensor, dtype), value in zip(self.inputs, values, strict=True):
+        # the inputs are in host memory (a CPU buffer): copied in with ffi.memmove, which keeps
+        # the GIL, where every call into the library gives it up and waits to get it back
+        for (tensor, dtype, nbytes), value in zip(self.inputs, values, strict=True):
             array = np.ascontiguousarray(value, dtype)
-            if array.nbytes != lib.ggml_nbytes(tensor):
-                raise ValueError(f"an input of {array.nbytes} bytes for a tensor of "
-                                 f"{lib.ggml_nbytes(tensor)}")  # fmt: skip
-            lib.ggml_backend_tensor_set(
-                tensor, ffi.cast("void *", array.ctypes.data), 0, array.nbytes
-            )
+            if array.nbytes != nbytes:
+                raise ValueError(f"an input of {array.nbytes} bytes for a tensor of {nbytes}")
+            ffi.memmove(tensor.data, array, nbytes)
         status = lib.ggml_backend_graph_compute(backend, self.graph)
         if status != 0:
             raise RuntimeError(f"ggml_backend_graph_compute failed with status {status}")
@@ -127,9 +128,12 @@ class Graph:
     def output(self, tensor: Any, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
         """A float32 tensor's data as a new numpy array of ``shape`` (numpy's order)."""
         out = np.empty(shape, np.float32)
-        self.lib.ggml_backend_tensor_get(
-            tensor, self.ffi.cast("void *", out.ctypes.data), 0, out.nbytes
-        )
+        ne = tuple(tensor.ne)
+        nb = tuple(tensor.nb)
+        dense = nb[0] == 4 and all(nb[i] == nb[i - 1] * ne[i - 1] for i in range(1, 4))
+        if tensor.type != F32 or not dense or ne[::-1] != (1,) * (4 - len(shape)) + shape:
+            raise ValueError(f"a float32 array of shape {shape} asked of {ne[::-1]}, {nb[::-1]}")
+        self.ffi.memmove(out, tensor.data, out.nbytes)  # host memory, as in `compute`
         return out
 
 
