@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import pathlib
 import sys
 from typing import Any
@@ -292,6 +293,19 @@ def test_two_threads_compute_bitwise_what_one_does(smollm2: ModelFile) -> None:
         outs.append(backend.forward(backend.new_cache(), 0, tokens=ids, logits="all"))
     assert_varied(list(outs[0].argmax(axis=1)))
     assert np.array_equal(outs[0], outs[1])
+
+
+def test_a_backend_s_compute_threads_go_with_it(smollm2: ModelFile) -> None:
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    before = threads()
+    backend = GgmlBackend(smollm2, (0, 2), threads=3)
+    backend.forward(backend.new_cache(), 0, tokens=[1, 2, 3])
+    assert threads() == before + 2  # its pool: two threads beside the one that computes
+    del backend
+    gc.collect()
+    assert threads() == before
 
 
 def test_a_long_prefill_is_cut_into_graphs_and_polled_between_them(smollm2: ModelFile) -> None:

@@ -46,6 +46,7 @@ from .._proto import ActivationDType
 from .._util import default_threads
 from .._wire._connect import alternatives
 from .._wire._framed import LinkEmulation
+from ..backends._ggml._cores import shares_cores
 from ._policies import DEFAULT_FAILURE_WINDOW as DEFAULT_FAILURE_WINDOW
 from ._policies import DEFAULT_MAX_FAILURES as DEFAULT_MAX_FAILURES
 from ._policies import RecoveryPolicy as RecoveryPolicy
@@ -414,8 +415,9 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
             f"{len(ranges)} stages need {len(ranges)} thread counts of at least 1, got "
             f"{', '.join(map(str, threads))}"
         )
-    # ggml's threads spin at every barrier: the stages this host runs share its cores
-    on_host = len(ranges) if remote is None else 1
+    # ggml's threads spin at every barrier: the stages of one host share its cores, graph by
+    # graph where they can (shares_cores), else each gets a fixed share
+    on_host = len(ranges) if remote is None and not shares_cores() else 1
     threads = [
         default_threads(on_host) if t is None and name == "ggml" else t
         for t, name in zip(threads, backends, strict=True)

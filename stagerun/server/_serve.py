@@ -33,12 +33,14 @@ import attrs
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from .. import plugins
 from .._driver._config import PipelineConfig
 from .._driver._topology import load_topology
 from .._errors import StagerunError
 from .._launch import open_pipeline
 from .._util import FD_RESERVE, raise_open_file_limit, single_exceptions
 from .._wire._auth import is_loopback, read_private_file
+from ..backends._ggml._cores import shares_cores
 from ._app import create_app
 from ._config import DEFAULT_MAX_BATCH, HttpConfig
 from ._hosts import AllowedHosts
@@ -163,7 +165,9 @@ def _checked(options: ServeOptions) -> tuple[str, PipelineConfig, str | None]:
     api_key = resolve_api_key(options.api_key, options.host, key_file=options.api_key_file)
     if wanted.threads is None and wanted.mode == "processes" and wanted.remote is None:
         stages = len(wanted.layers) if wanted.layers is not None else wanted.stages
-        wanted = wanted.replace(threads=default_threads(stages))
+        backends = {plugins.resolve_backend(b) for b in wanted.backends or [wanted.backend]}
+        if backends != {"ggml"} or not shares_cores():  # ggml stages share cores graph by graph
+            wanted = wanted.replace(threads=default_threads(stages))
     return model, wanted, api_key
 
 

@@ -157,6 +157,19 @@ size_t ggml_gallocr_get_buffer_size(ggml_gallocr_t galloc, int buffer_id);
 
 ggml_backend_t ggml_backend_cpu_init(void);
 void ggml_backend_cpu_set_n_threads(ggml_backend_t backend_cpu, int n_threads);
+struct ggml_threadpool_params {
+    bool     cpumask[512];
+    int      n_threads;
+    int      prio;
+    uint32_t poll;
+    bool     strict_cpu;
+    bool     paused;
+};
+struct ggml_threadpool;
+struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
+struct ggml_threadpool * ggml_threadpool_new(struct ggml_threadpool_params * params);
+void ggml_threadpool_free(struct ggml_threadpool * threadpool);
+void ggml_backend_cpu_set_threadpool(ggml_backend_t backend_cpu, struct ggml_threadpool * pool);
 void ggml_backend_cpu_set_abort_callback(
     ggml_backend_t backend_cpu, ggml_abort_callback abort_callback, void * abort_callback_data);
 int ggml_cpu_has_avx2(void);
