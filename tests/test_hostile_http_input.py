@@ -37,6 +37,7 @@ from stagerun.server._openai import MAX_STOP_CHARS
 from stagerun.testing import write_tiny_model
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": "tiny", "max_tokens": 2}
 JSON = {"content-type": "application/json"}
 MODELS_DEADLINE = 0.5  # seconds GET /v1/models may take while a hostile request is handled
 BIG_CONTEXT = 2**19  # a tiny model whose 2M-character prompts pass the character bound
@@ -116,7 +117,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None) -> di
 
 
 async def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(tiny: Path) -> None:
-    body = json.dumps({**CHAT, "prompt": "hello world " * 340_000}).encode()  # 4 MB
+    body = json.dumps({**COMPLETION, "prompt": "hello world " * 340_000}).encode()  # 4 MB
     async with http_server(tiny) as client:
         response, slowest = await models_latency_during(client, "/v1/completions", body)
     print(f"4 MB prompt: slowest /v1/models {slowest:.3f} s")
@@ -148,7 +149,7 @@ async def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(
             {**CHAT, "messages": [{"role": "user", "content": text}]},
         )
     else:
-        path, body = "/v1/completions", {**CHAT, "prompt": text}
+        path, body = "/v1/completions", {**COMPLETION, "prompt": text}
     async with http_server(tiny_big_context) as client:
         response, slowest = await models_latency_during(client, path, json.dumps(body).encode())
     print(f"2 MB {kind} prompt: slowest /v1/models {slowest:.3f} s")
@@ -209,7 +210,7 @@ HOSTILE_BODIES = {
     ),
     "a lone surrogate in a prompt": (
         "/v1/completions",
-        json.dumps({**CHAT, "prompt": "hi \ud800"}).encode(),
+        json.dumps({**COMPLETION, "prompt": "hi \ud800"}).encode(),
         "prompt",
     ),
     "a lone surrogate in a message": (

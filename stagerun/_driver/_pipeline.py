@@ -227,8 +227,11 @@ class Pipeline:
             return self.apply_chat_template(items)  # type: ignore[arg-type]
         return [int(t) for t in items]  # type: ignore[call-overload]
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """Messages as the chat template renders them, with the generation prompt.
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Messages as the chat template renders them, with the generation prompt unless
+        ``add_generation_prompt`` is false.
 
         The template is the one the pipeline was opened with
         (`PipelineConfig.chat_template`), else the model's.
@@ -237,7 +240,9 @@ class Pipeline:
             ChatTemplateError: the model has no template and none was given, or the template
                 refused the messages.
         """
-        return self.model.render_chat(messages, template=self.chat_template)
+        return self.model.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, template=self.chat_template
+        )
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Token ids of `render_chat` (control tokens as their ids, no BOS added)."""

@@ -30,6 +30,7 @@ from ._metrics import BusySampler, Metrics
 from ._openai import ApiError, error_envelope
 from ._request_context import RequestContext
 from ._state import ServerState
+from ._tokenize import detokenize, model, tokenize
 
 log = logging.getLogger("stagerun.server")
 
@@ -82,6 +83,9 @@ def create_app(
     app = Starlette(
         routes=[
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/detokenize", detokenize, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/health", health, methods=["GET"]),

@@ -29,7 +29,7 @@ from ._responses import ResponseShape
 from ._state import ServerState, server_state
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
     too_large = ApiError(
         413,
         f"the request body is larger than {limit} bytes; shorten the prompt",
@@ -52,15 +52,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def models(request: Request) -> Response:
-    state = server_state(request)
-    entry = {
-        "id": state.model_id,
-        "object": "model",
-        "created": state.started,
-        "owned_by": "stagerun",
-        "context_length": state.pipeline.config.context_length,
-    }
-    return JSONResponse({"object": "list", "data": [entry]})
+    return JSONResponse({"object": "list", "data": [server_state(request).model_entry()]})
 
 
 async def completions(request: Request) -> Response:
@@ -111,25 +103,12 @@ async def _prompt_ids(state: ServerState, req: GenerationRequest) -> tuple[list[
 
     if req.kind == "completion":
         bounded(prompt)
-    try:
-        ids = await state.admission.tokenize(tokenize)
-    except ValueError as exc:  # a chat template that refuses the messages
-        raise ApiError(400, str(exc), param="messages") from exc
-    if ids is None:
-        raise ApiError(
-            429,
-            f"the server is busy ({state.admission.tokenizing} prompts being tokenized); "
-            "retry after a second",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": "1"},
-        )
-    return ids, param
+    return await state.tokenized(tokenize), param
 
 
 async def _generation(request: Request, kind: Kind) -> Response:
     state = server_state(request)
-    body = await _read_body(request, state.http.max_body_bytes)
+    body = await read_body(request, state.http.max_body_bytes)
     context = state.pipeline.config.context_length
     req = parse_generation_request(parse_json_body(body), kind, context_length=context)
     state.check_model(req.model)

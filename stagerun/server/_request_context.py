@@ -22,8 +22,11 @@ from ._openai import ApiError
 from ._state import ServerState
 
 ENDPOINTS = frozenset(
-    {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics"}
-)
+    {"/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics",
+     "/tokenize", "/detokenize"}
+)  # fmt: skip
+# Paths behind the API key, whose POSTs must be JSON: the OpenAI API and the tokenizer's.
+GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 # What a /v1/* POST must say it sends. A web page can POST text/plain, form data or no type at
 # all to any server without the browser asking the server first (a CORS "simple request").
 JSON_MEDIA_TYPE = "application/json"
@@ -66,7 +69,7 @@ class RequestContext:
         )
 
     def _authorized(self, scope: Scope) -> bool:
-        if self.api_key is None or not scope["path"].startswith("/v1/"):
+        if self.api_key is None or not scope["path"].startswith(GUARDED_PATHS):
             return True
         for name, value in scope["headers"]:
             if name == b"authorization":
@@ -95,7 +98,7 @@ class RequestContext:
                 code="invalid_api_key",
                 headers={"www-authenticate": "Bearer"},
             )
-        if scope["method"] == "POST" and scope["path"].startswith("/v1/"):
+        if scope["method"] == "POST" and scope["path"].startswith(GUARDED_PATHS):
             given = _header(scope, b"content-type")
             media_type = (given or "").partition(";")[0].strip().lower()
             if media_type != JSON_MEDIA_TYPE:
@@ -169,5 +172,8 @@ class RequestContext:
                     await send_with_id(message)
         finally:
             path = scope["path"]
-            endpoint = path if path in ENDPOINTS else "other"
+            if path in ENDPOINTS:
+                endpoint = path
+            else:
+                endpoint = "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
             self.state.metrics.observe_request(endpoint, status, time.perf_counter() - started)

@@ -47,11 +47,15 @@ def timings_json(timings: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def usage_json(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage_json(result: Completion) -> dict[str, Any]:
+    """OpenAI's ``usage``, with the prompt tokens restored from the prefix cache where clients
+    read them (``prompt_tokens_details.cached_tokens``)."""
+    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": result.timings.prefill.prefix_cached_tokens},
     }
 
 
@@ -82,7 +86,7 @@ class ResponseShape:
         choice["finish_reason"] = result.finish_reason
         body = self._base("chat.completion" if self.chat else "text_completion")
         body["choices"] = [choice]
-        body["usage"] = usage_json(len(result.prompt_token_ids), len(result.token_ids))
+        body["usage"] = usage_json(result)
         body["timings"] = timings_json(result.timings)
         return body
 
@@ -118,6 +122,6 @@ class ResponseShape:
 
     def usage_chunk(self, result: Completion) -> dict[str, Any]:
         body = self._chunk(None)
-        body["usage"] = usage_json(len(result.prompt_token_ids), len(result.token_ids))
+        body["usage"] = usage_json(result)
         body["timings"] = timings_json(result.timings)
         return body

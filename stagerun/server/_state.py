@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 from starlette.requests import Request
@@ -41,6 +43,38 @@ class ServerState:
     metrics: Metrics = attrs.field(factory=Metrics)
     http: HttpConfig = attrs.field(factory=HttpConfig)
     started: int = attrs.field(factory=lambda: int(time.time()))
+
+    def model_entry(self) -> dict[str, Any]:
+        """The served model as ``/v1/models`` lists it."""
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "stagerun",
+            "context_length": self.pipeline.config.context_length,
+        }
+
+    async def tokenized(self, work: Callable[[], list[int]]) -> list[int]:
+        """``work``'s token ids, computed in a tokenizer thread (`Admission.tokenize`).
+
+        Raises:
+            ApiError: 400 when a chat template refuses the messages (``param: messages``),
+                429 when the tokenizer threads' line is full.
+        """
+        try:
+            ids = await self.admission.tokenize(work)
+        except ValueError as exc:  # a chat template that refuses the messages
+            raise ApiError(400, str(exc), param="messages") from exc
+        if ids is None:
+            raise ApiError(
+                429,
+                f"the server is busy ({self.admission.tokenizing} prompts being tokenized); "
+                "retry after a second",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        return ids
 
     def check_model(self, model: str) -> None:
         if model != self.model_id and model not in self.model_aliases:

@@ -1,0 +1,125 @@
+"""Which request fields each endpoint takes: honoured, neutral values only, or harmless.
+
+Every field is either honoured, refused with a 400 that names it, or on a short list of fields
+that change nothing an answer holds (`IGNORED_FIELDS`: ``user``, ``metadata`` and friends),
+which are logged once each. Fields that ask for something stagerun cannot do yet (``n`` > 1,
+``logprobs``, ``tools``, ``logit_bias``, penalties) pass only with their neutral values
+(``n: 1``, ``logit_bias: {}``, a penalty of 0), since clients send those by default; a field
+stagerun does not know at all (``min_p``, ``grammar``, ``guided_json``...) is refused rather
+than dropped, so that nobody gets unconstrained text believing it constrained. docs/api.md's
+"Request fields" table lists the same (tests/test_api_fields.py checks both ways).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from ._api_values import invalid, optional_int, optional_number
+
+__all__ = [
+    "HONOURED_FIELDS",
+    "IGNORED_FIELDS",
+    "NEUTRAL_ONLY_FIELDS",
+    "check_fields",
+]
+
+log = logging.getLogger("stagerun.server")
+
+Kind = Literal["completion", "chat"]
+
+
+# Parameters stagerun does not implement, each with the values that ask for nothing (clients
+# send those by default), and what to do instead. Any other value is refused by name.
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # chat sends a boolean, completions an integer (0 asks for none)
+    "logprobs": ((None, False, 0), "logprobs are not supported; leave it out"),
+    "top_logprobs": ((None, 0), "logprobs are not supported; leave it out"),
+    "logit_bias": ((None, {}), "logit_bias is not supported; leave it out"),
+    "tools": ((None, []), "tools are not supported; leave 'tools' out"),
+    "tool_choice": ((None, "none", "auto"), "tools are not supported; leave 'tool_choice' out"),
+    # meaningless while 'tools' must be empty; any boolean asks for nothing then
+    "parallel_tool_calls": ((None, True, False), "send true or false"),
+    "functions": ((None, []), "functions are not supported; leave 'functions' out"),
+    "function_call": ((None, "none", "auto"), "functions are not supported; leave it out"),
+    "audio": ((None,), "audio output is not supported; leave 'audio' out"),
+    "modalities": (
+        (None, ["text"]),
+        "only text output is supported: send ['text'] or leave it out",
+    ),
+    "prediction": ((None,), "predicted outputs are not supported; leave 'prediction' out"),
+}
+_UNSUPPORTED_IN_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((None, False), "echo is not supported; leave it out"),
+    "suffix": ((None, ""), "suffix is not supported; leave it out"),
+    "best_of": ((None, 1), "only best_of=1 is supported"),
+}
+
+
+# The fields each endpoint honours; docs/api.md's "Request fields" table lists the same.
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+           "stream_options", "n", "cache_salt")  # fmt: skip
+HONOURED_FIELDS: dict[Kind, frozenset[str]] = {
+    "chat": frozenset({*_COMMON, "messages", "max_completion_tokens"}),
+    "completion": frozenset({*_COMMON, "prompt"}),
+}
+_NEUTRAL = ("presence_penalty", "frequency_penalty", "response_format", *_UNSUPPORTED)
+# Fields taken only with the value that asks for nothing (see the tables above).
+NEUTRAL_ONLY_FIELDS: dict[Kind, frozenset[str]] = {
+    "chat": frozenset(_NEUTRAL),
+    "completion": frozenset({*_NEUTRAL, *_UNSUPPORTED_IN_COMPLETIONS}),
+}
+IGNORED_FIELDS: frozenset[str] = frozenset(
+    ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+)
+"""Fields that change nothing in an answer (who asks, how a hosted service bills or keeps
+it): accepted and ignored, each logged once."""
+_logged: set[str] = set()
+
+
+def _check_names(data: Mapping[str, Any], kind: Kind) -> None:
+    """Refuse every field that is neither honoured, neutral-only nor harmless."""
+    known = HONOURED_FIELDS[kind] | NEUTRAL_ONLY_FIELDS[kind]
+    for name in data:
+        if name in known:
+            continue
+        if name in IGNORED_FIELDS:
+            if name not in _logged:
+                _logged.add(name)
+                log.info("requests' %r field is ignored: it changes nothing in an answer", name)
+            continue
+        endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        shown = name if len(name) <= 64 else name[:64] + "..."
+        raise invalid(
+            f"'{shown}' is not a field stagerun's {endpoint} takes (docs/api.md lists them); "
+            "leave it out",
+            shown,
+        )
+
+
+def _refuse_unsupported(
+    data: Mapping[str, Any], table: Mapping[str, tuple[tuple[Any, ...], str]]
+) -> None:
+    for name, (neutral, why) in table.items():
+        value = data.get(name)
+        if not any(value == ok and type(value) is type(ok) for ok in neutral):
+            raise invalid(f"'{name}': {why}", name)
+
+
+def check_fields(data: Mapping[str, Any], kind: Kind) -> None:
+    """Refuse, by name, every field that is unknown or asks for something stagerun cannot do."""
+    _check_names(data, kind)
+    if kind == "completion":
+        _refuse_unsupported(data, _UNSUPPORTED_IN_COMPLETIONS)
+    n = optional_int(data, "n", minimum=1)
+    if n not in (None, 1):
+        raise invalid(f"only n=1 is supported, got n={n}: send one request per choice", "n")
+    _refuse_unsupported(data, _UNSUPPORTED)
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        value = optional_number(data, penalty)
+        if value not in (None, 0.0):
+            raise invalid(f"'{penalty}' is not supported: leave it out or send 0", penalty)
+    fmt = data.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid("only response_format {'type': 'text'} is supported", "response_format")
