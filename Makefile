@@ -46,7 +46,7 @@ test: $(TEST_STAMP)
 	$(PY) -m pytest -q
 
 lint: $(TEST_STAMP)
-	$(PY) -m ruff check stagerun tests plugins examples
+	$(PY) -m ruff check stagerun tests plugins examples scripts
 	$(PY) -m mypy stagerun
 
 clean:
