@@ -85,7 +85,7 @@ def test_the_documented_fields_are_the_ones_the_code_takes() -> None:
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize(
     "field",
-    ["min_p", "repetition_penalty", "repeat_penalty", "typical_p", "grammar", "json_schema",
+    ["repetition_penalty", "repeat_penalty", "typical_p", "grammar", "json_schema",
      "guided_json", "guided_choice", "structured_outputs", "min_tokens", "ignore_eos",
      "stop_token_ids", "reasoning_effort", "chat_template_kwargs", "x" * 100],
 )  # fmt: skip

@@ -147,6 +147,13 @@ def test_sampling_params_defaults_and_int_floats() -> None:
         ({"top_p": 1.5}, "got 1.5"),
         ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*64\)"),
         ({"seed": -1}, "seed"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\], got 1.5"),
+        ({"min_p": math.nan}, "min_p must be a finite float"),
+        ({"bias_ids": (1, 2), "bias_values": (1.0,)}, "a tuple of 2 floats, one per bias id"),
+        ({"bias_ids": (1,), "bias_values": (101.0,)}, r"floats in \[-100, 100\], got 101.0"),
+        ({"bias_ids": (1,), "bias_values": (True,)}, r"in \[-100, 100\], got True"),
+        ({"bias_ids": (1, 1), "bias_values": (1.0, 2.0)}, "must not repeat a token"),
+        ({"bias_ids": (-1,), "bias_values": (1.0,)}, "bias_ids"),
     ],
 )
 def test_sampling_params_validation(kwargs: dict[str, Any], match: str) -> None:
@@ -231,7 +238,7 @@ def test_unstructure_gives_plain_msgpack_values() -> None:
             "edge_stage": 0,
         },
     }
-    configure = Configure(1, 2, 3, SamplingParams(0.7, 40, 0.9, 5))
+    configure = Configure(1, 2, 3, SamplingParams(0.7, 40, 0.9, 5, 0.05, (7, 9), (-100, 2.5)))
     assert structure_message("configure", unstructure_message(configure)) == configure
 
 
@@ -283,12 +290,18 @@ window_ids = st.lists(ids, max_size=MAX_WINDOW_IDS).map(tuple)
 stats = st.builds(StageStats, *[ids] * len(attrs.fields(StageStats)))
 names = st.lists(keys, max_size=8).map(tuple) | st.just((2**64 - 1,) * MAX_PREFIX_NAMES)
 prefix_stats = st.builds(PrefixStats, st.booleans(), *[ids] * (len(attrs.fields(PrefixStats)) - 1))
+biases = st.dictionaries(st.integers(0, 2**31 - 1), st.floats(-100, 100) | st.integers(-100, 100),
+                         max_size=8)  # fmt: skip
 sampling = st.builds(
-    SamplingParams,
+    lambda bias, **kwargs: SamplingParams(
+        **kwargs, bias_ids=tuple(bias), bias_values=tuple(bias.values())
+    ),
+    biases,
     temperature=st.floats(0, 1e6) | st.integers(0, 100),  # an int is stored as a float
     top_k=ids,
     top_p=st.floats(0, 1, exclude_min=True),
     seed=keys,
+    min_p=st.floats(0, 1) | st.just(1),
 )
 error_text = st.text(max_size=40) | st.just("é" * MAX_ERROR_MESSAGE)
 

@@ -5,9 +5,13 @@ is derived from ``(seed, p)`` alone, never from how many draws came before. A st
 speculative window therefore cannot shift the randomness of later tokens, and plain and
 speculative decoding pick the same token wherever they see the same logits.
 
-Temperature 0 is greedy (argmax, lowest id on ties). Otherwise: scale by 1/temperature, keep
-the top-k logits (k = 0 keeps all), then the smallest prefix of the sorted candidates whose
-probability mass reaches top-p, and draw one with the position's generator. A temperature so
+``logit_bias`` is added to the raw logits first, so it steers greedy decoding too (OpenAI's
+rule: -100 bans a token). Temperature 0 is greedy (argmax, lowest id on ties). Otherwise:
+scale by 1/temperature, keep the top-k logits (k = 0 keeps all), then the tokens at least
+``min_p`` times as probable as the most probable one, then the smallest prefix of the sorted
+candidates whose probability mass reaches top-p, and draw one with the position's generator.
+Every step depends on the row's logits and the request's parameters alone, so a row gives the
+same token alone, batched or in a speculative window. A temperature so
 small that the scaled logits overflow (5e-324) is greedy too, which is the limit it tends to:
 dividing on would make every probability NaN.
 """
@@ -28,6 +32,11 @@ def position_generator(seed: int, position: int) -> np.random.Generator:
 
 def sample_token(logits: np.ndarray[Any, Any], params: SamplingParams, position: int) -> int:
     """Pick one token from a ``[vocab]`` row of logits for absolute ``position``."""
+    if params.bias_ids:
+        logits = logits.astype(np.float64)  # a copy: the caller's row stays as it was
+        ids = np.asarray(params.bias_ids)
+        inside = ids < logits.shape[0]
+        logits[ids[inside]] += np.asarray(params.bias_values)[inside]
     if params.temperature == 0.0:
         return int(np.argmax(logits))
     with np.errstate(over="ignore"):
@@ -44,6 +53,9 @@ def sample_token(logits: np.ndarray[Any, Any], params: SamplingParams, position:
     candidates = candidates[order]
     values = scaled[candidates]
     probs = np.exp(values - values[0])
+    if params.min_p > 0.0:  # probs[0] is the most probable, before normalising: 1
+        keep = int(np.count_nonzero(probs >= params.min_p))
+        candidates, probs = candidates[:keep], probs[:keep]
     probs /= probs.sum()
     if params.top_p < 1.0:
         cumulative = np.cumsum(probs)

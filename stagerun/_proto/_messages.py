@@ -45,7 +45,7 @@ from ._fields import (
     _show,
 )
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 
 MAX_TOKENS_PER_MESSAGE: Final = 65536
 MAX_WINDOW_IDS: Final = 64
@@ -60,6 +60,17 @@ _WINDOW_IDS = _int_tuple(limit=_ID_LIMIT, max_len=MAX_WINDOW_IDS, non_empty=Fals
 _PREFIX_NAMES = _int_tuple(limit=_KEY_LIMIT, max_len=MAX_PREFIX_NAMES, non_empty=False)
 
 
+MAX_LOGIT_BIAS: Final = 1024  # tokens one request may bias (OpenAI allows 300)
+MAX_BIAS: Final = 100.0  # OpenAI's range, -100..100: -100 bans a token, 100 all but forces it
+
+
+def _as_floats(value: Any) -> Any:
+    """A list or tuple of numbers as a tuple of floats (ints accepted, never bools)."""
+    if type(value) in (list, tuple):
+        return tuple(float(v) if type(v) is int else v for v in value)
+    return value
+
+
 @attrs.frozen
 class SamplingParams:
     """How the last stage picks the next token.
@@ -69,12 +80,23 @@ class SamplingParams:
         top_k: keep only the k most likely tokens; 0 turns the filter off.
         top_p: nucleus sampling mass in (0, 1]; 1 turns the filter off.
         seed: seed of the request's random generator, in [0, 2**64).
+        min_p: keep only tokens at least this fraction as likely as the most likely one
+            (after temperature and top-k); 0 turns the filter off.
+        bias_ids, bias_values: OpenAI's ``logit_bias``: ``bias_values[i]`` (-100..100) is added
+            to the logit of token ``bias_ids[i]`` before anything else, greedy included.
     """
 
     temperature: float = attrs.field(default=0.0, converter=_as_float, validator=_finite_float)
     top_k: int = attrs.field(default=0, validator=_int_in(_ID_LIMIT))
     top_p: float = attrs.field(default=1.0, converter=_as_float, validator=_finite_float)
     seed: int = attrs.field(default=0, validator=_int_in(_KEY_LIMIT))
+    min_p: float = attrs.field(default=0.0, converter=_as_float, validator=_finite_float)
+    bias_ids: tuple[int, ...] = attrs.field(
+        default=(),
+        converter=_as_tuple,
+        validator=_int_tuple(limit=_TOKEN_LIMIT, max_len=MAX_LOGIT_BIAS, non_empty=False),
+    )
+    bias_values: tuple[float, ...] = attrs.field(default=(), converter=_as_floats)
 
     @temperature.validator
     def _check_temperature(self, attribute: "attrs.Attribute[float]", value: float) -> None:
@@ -85,6 +107,26 @@ class SamplingParams:
     def _check_top_p(self, attribute: "attrs.Attribute[float]", value: float) -> None:
         if not 0 < value <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {value}.")
+
+    @min_p.validator
+    def _check_min_p(self, attribute: "attrs.Attribute[float]", value: float) -> None:
+        if not 0 <= value <= 1:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {value}.")
+
+    @bias_values.validator
+    def _check_bias(self, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        if type(value) is not tuple or len(value) != len(self.bias_ids):
+            raise ValueError(
+                f"SamplingParams.bias_values must be a tuple of {len(self.bias_ids)} floats, "
+                f"one per bias id, got {_show(value)}."
+            )
+        for v in value:
+            if type(v) is not float or not -MAX_BIAS <= v <= MAX_BIAS:
+                raise ValueError(
+                    f"SamplingParams.bias_values must be floats in [-100, 100], got {_show(v)}."
+                )
+        if len(set(self.bias_ids)) != len(self.bias_ids):
+            raise ValueError("SamplingParams.bias_ids must not repeat a token.")
 
 
 @attrs.frozen

@@ -124,11 +124,19 @@ async def _generation(request: Request, kind: Kind) -> Response:
         max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     else:
         max_tokens = min(state.http.max_tokens_default, room)
+    vocab = state.pipeline.config.vocab_size
+    for token, _ in req.logit_bias:
+        if token >= vocab:
+            raise ApiError(400, f"'logit_bias' names token {token}, outside the vocabulary "
+                           f"(0..{vocab - 1})", param="logit_bias")  # fmt: skip
     sampling = SamplingParams(
         temperature=req.temperature,
         top_k=req.top_k,
         top_p=req.top_p,
         seed=secrets.randbits(63) if req.seed is None else req.seed,
+        min_p=req.min_p,
+        bias_ids=tuple(token for token, _ in req.logit_bias),
+        bias_values=tuple(bias for _, bias in req.logit_bias),
     )
     ticket = _admit(state, len(prompt_ids), max_tokens)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"

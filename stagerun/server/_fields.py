@@ -3,11 +3,11 @@
 Every field is either honoured, refused with a 400 that names it, or on a short list of fields
 that change nothing an answer holds (`IGNORED_FIELDS`: ``user``, ``metadata`` and friends),
 which are logged once each. Fields that ask for something stagerun cannot do yet (``n`` > 1,
-``logprobs``, ``tools``, ``logit_bias``, penalties) pass only with their neutral values
-(``n: 1``, ``logit_bias: {}``, a penalty of 0), since clients send those by default; a field
-stagerun does not know at all (``min_p``, ``grammar``, ``guided_json``...) is refused rather
-than dropped, so that nobody gets unconstrained text believing it constrained. docs/api.md's
-"Request fields" table lists the same (tests/test_api_fields.py checks both ways).
+``logprobs``, ``tools``, penalties) pass only with their neutral values (``n: 1``, ``tools:
+[]``, a penalty of 0), since clients send those by default; a field stagerun does not know at
+all (``repetition_penalty``, ``grammar``, ``guided_json``...) is refused rather than dropped,
+so that nobody gets unconstrained text believing it constrained. docs/api.md's "Request
+fields" tables list the same (tests/test_api_surface.py checks both ways).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     # chat sends a boolean, completions an integer (0 asks for none)
     "logprobs": ((None, False, 0), "logprobs are not supported; leave it out"),
     "top_logprobs": ((None, 0), "logprobs are not supported; leave it out"),
-    "logit_bias": ((None, {}), "logit_bias is not supported; leave it out"),
     "tools": ((None, []), "tools are not supported; leave 'tools' out"),
     "tool_choice": ((None, "none", "auto"), "tools are not supported; leave 'tool_choice' out"),
     # meaningless while 'tools' must be empty; any boolean asks for nothing then
@@ -59,7 +58,7 @@ _UNSUPPORTED_IN_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 # The fields each endpoint honours; docs/api.md's "Request fields" table lists the same.
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-           "stream_options", "n", "cache_salt")  # fmt: skip
+           "stream_options", "n", "cache_salt", "min_p", "logit_bias")  # fmt: skip
 HONOURED_FIELDS: dict[Kind, frozenset[str]] = {
     "chat": frozenset({*_COMMON, "messages", "max_completion_tokens"}),
     "completion": frozenset({*_COMMON, "prompt"}),

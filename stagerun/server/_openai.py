@@ -22,6 +22,7 @@ from typing import Any, Literal, NoReturn
 
 import attrs
 
+from .._proto._messages import MAX_LOGIT_BIAS
 from ._api_values import ApiError as ApiError
 from ._api_values import error_envelope as error_envelope
 from ._api_values import (
@@ -85,6 +86,8 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -155,6 +158,8 @@ def parse_generation_request(
         stream=bool(stream),
         include_usage=include_usage,
         cache_salt=_cache_salt(data.get("cache_salt")),
+        min_p=_min_p(data),
+        logit_bias=_logit_bias(data.get("logit_bias")),
     )
 
 
@@ -183,6 +188,34 @@ def _sampling(data: Mapping[str, Any]) -> tuple[float, float, int]:
         1.0 if top_p is None else top_p,
         max(top_k or 0, 0),  # -1, the older way of saying off (vLLM), is 0
     )
+
+
+def _min_p(data: Mapping[str, Any]) -> float:
+    min_p = optional_number(data, "min_p")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise invalid(f"'min_p' must be between 0 and 1, got {min_p}", "min_p")
+    return min_p or 0.0
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token ids (JSON keys, so strings) to biases in -100..100."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid(f"'logit_bias' must be an object, not {json_type(value)}", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise invalid(
+            f"'logit_bias' biases {len(value)} tokens, more than {MAX_LOGIT_BIAS}", "logit_bias"
+        )
+    out = []
+    for key, bias in value.items():
+        where = f"logit_bias.{key[:32]}"
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise invalid(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise invalid(f"'{where}' must be a number from -100 to 100", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(out)
 
 
 def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:
