@@ -36,6 +36,7 @@ from ._driver._values import GenerationStream as GenerationStream
 from ._driver._values import StageHealth as StageHealth
 from ._driver._values import StageInfo as StageInfo
 from ._driver._values import TokenChunk as TokenChunk
+from ._driver._values import TokenLogprob as TokenLogprob
 from ._errors import ComputeCancelled as ComputeCancelled
 from ._errors import LaneBrokenError as LaneBrokenError
 from ._errors import LaneError as LaneError
@@ -85,6 +86,7 @@ __all__ = [
     "StagerunError",
     "SupervisionPolicy",
     "TokenChunk",
+    "TokenLogprob",
     "UnsupportedModelError",
     "__version__",
     "open_pipeline",

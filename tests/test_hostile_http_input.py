@@ -305,11 +305,10 @@ def test_a_denormal_temperature_samples_greedily_without_nan() -> None:
         ("modalities", ["text", "audio"]),
         ("prediction", {"type": "content", "content": "x"}),
         ("n", 2),
-        ("logprobs", True),
-        ("top_logprobs", 3),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1),
-        ("response_format", {"type": "json_object"}),
+        ("logprobs", 1),
+        ("top_logprobs", 3),  # without logprobs: true
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ],
 )

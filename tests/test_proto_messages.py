@@ -237,7 +237,13 @@ def test_unstructure_gives_plain_msgpack_values() -> None:
             "edge_wait_us": 0,
             "edge_stage": 0,
         },
+        "logprobs": [],
+        "top_ids": [],
+        "top_logprobs": [],
     }
+    rows = Predictions(1, 2, 3, (4, 5), logprobs=(-0.5, -1.0), top_ids=(4, 8, 5, 9),
+                       top_logprobs=(-0.5, -2.0, -1.0, -1.5))  # fmt: skip
+    assert structure_message("predictions", unstructure_message(rows)) == rows
     configure = Configure(1, 2, 3, SamplingParams(0.7, 40, 0.9, 5, 0.05, (7, 9), (-100, 2.5)))
     assert structure_message("configure", unstructure_message(configure)) == configure
 

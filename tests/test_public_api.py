@@ -36,6 +36,7 @@ def test_public_names() -> None:
             "StagerunError",
             "SupervisionPolicy",
             "TokenChunk",
+            "TokenLogprob",
             "UnsupportedModelError",
             "__version__",
             "open_pipeline",

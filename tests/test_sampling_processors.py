@@ -128,4 +128,4 @@ def test_logit_bias_parses_into_pairs(bias: dict[str, int]) -> None:
     request = parse_generation_request(
         {"model": "m", "prompt": "x", "logit_bias": bias}, "completion"
     )
-    assert request.logit_bias == tuple((int(k), float(v)) for k, v in bias.items())
+    assert request.knobs.logit_bias == tuple((int(k), float(v)) for k, v in bias.items())

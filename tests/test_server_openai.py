@@ -47,7 +47,7 @@ def test_a_full_chat_request_parses_into_typed_values() -> None:
         "chat",
     )
     assert [(m.role, m.content) for m in req.messages] == [("system", "be brief"), ("user", "ab")]
-    assert (req.max_tokens, req.temperature, req.top_p) == (7, 0.0, 0.5)
+    assert (req.max_tokens, req.knobs.temperature, req.knobs.top_p) == (7, 0.0, 0.5)
     assert req.seed == 2**64 - 1
     assert req.stop == ("\n",)
     assert req.stream and req.include_usage
@@ -58,7 +58,7 @@ def test_completion_prompts_are_text_or_token_ids() -> None:
     assert parse_generation_request({"model": "m", "prompt": [1, 2]}, "completion").prompt == (1, 2)
     assert parse_generation_request({"model": "m", "prompt": ["x"]}, "completion").prompt == "x"
     defaults = parse_generation_request({"model": "m", "prompt": "x"}, "completion")
-    assert (defaults.max_tokens, defaults.seed, defaults.temperature) == (None, None, 1.0)
+    assert (defaults.max_tokens, defaults.seed, defaults.knobs.temperature) == (None, None, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -94,8 +94,9 @@ def test_completion_prompts_are_text_or_token_ids() -> None:
         ({**CHAT, "stop": [""]}, "stop[0]", "non-empty string"),
         ({**CHAT, "stream": "yes"}, "stream", "true or false"),
         ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed"),
-        ({**CHAT, "logprobs": True}, "logprobs", "not supported"),
-        ({**CHAT, "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({**CHAT, "logprobs": 1}, "logprobs", "true or false"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
+        ({**CHAT, "presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
         ({**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
     ],
 )

@@ -26,6 +26,8 @@ class DraftRequest:
         starts_epoch: whether the window will start a new epoch.
         drafts: how many drafts to ask the drafter for (0: do not ask): ``max_drafts`` cut to
             the load share, 0 once drafting is switched off (`SpeculationPolicy.drafts_for`).
+        room: the most drafts the tokens left to generate allow, whatever the window width:
+            what drafts certain to be accepted (a grammar's forced tokens) may fill.
     """
 
     context: tuple[int, ...]
@@ -33,6 +35,7 @@ class DraftRequest:
     position: int
     starts_epoch: bool
     drafts: int
+    room: int = 0
 
 
 @attrs.frozen

@@ -78,6 +78,9 @@ from ._verdict import (
 )
 from ._windows import VerifyWindow, VerifyWindowScheduler
 
+MAX_CERTAIN_DRAFTS = 32
+"""Drafts certain to be accepted (a grammar's forced tokens) one window carries at most."""
+
 
 class SpeculationController:
     """Pure decision core of speculative decoding for one request.
@@ -269,6 +272,7 @@ class SpeculationController:
                 position=len(self._history),
                 starts_epoch=True,
                 drafts=self.policy.drafts_for(max_drafts),
+                room=min(MAX_CERTAIN_DRAFTS, remaining - 1),
             )
         if len(live) >= self.policy.window_limit():
             return None
@@ -286,13 +290,18 @@ class SpeculationController:
             position=last.base_position + len(last.inputs),
             starts_epoch=False,
             drafts=self.policy.drafts_for(max_drafts),
+            room=min(MAX_CERTAIN_DRAFTS, remaining - len(optimistic) - 1),
         )
 
-    def open_window(self, drafts: Sequence[int], *, now_ms: float) -> SendWindow | None:
+    def open_window(
+        self, drafts: Sequence[int], *, now_ms: float, certain: int = 0
+    ) -> SendWindow | None:
         """Open the window :meth:`next_draft_request` asked for, with the drafter's tokens.
 
-        Drafts beyond ``max_drafts`` are ignored. A continuation with no drafts opens nothing
-        (a horizon miss) and returns None; filling then pauses until the next reply.
+        Drafts beyond ``max_drafts`` are ignored, except that the first ``certain`` (tokens
+        the target is sure to produce, such as a grammar's forced ones) may fill the
+        request's ``room``. A continuation with no drafts opens nothing (a horizon miss) and
+        returns None; filling then pauses until the next reply.
 
         Raises:
             VerifyWindowError: no window may open now (finished, or the pipeline is full).
@@ -302,7 +311,8 @@ class SpeculationController:
             raise VerifyWindowError(
                 f"no verify window may open now: {self!r} (call next_draft_request first)"
             )
-        proposal = tuple(int(token) for token in drafts[: request.max_drafts])
+        limit = max(request.max_drafts, min(certain, request.room))
+        proposal = tuple(int(token) for token in drafts[:limit])
         if request.starts_epoch:
             self._epoch += 1
             base = len(self._history) - 1

@@ -42,6 +42,7 @@ from .._engine import (
     DEFAULT_MAX_KV_TOKENS,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_PREFIX_CACHE_MB,
+    Grammars,
     PrefixCache,
     StageEngine,
     TickBatcher,
@@ -135,6 +136,7 @@ class Pipeline:
             max_sessions=max_sessions,
             max_kv_tokens=max_kv_tokens,
             prefix_cache_bytes=prefix_cache_bytes,
+            grammars=Grammars(model.tokenizer, model.config.vocab_size),
         )
         self.prefix_salt = secrets.token_bytes(16)  # keys the block names (`_proto._prefix`)
         self._shared_drafters: dict[tuple[str, str | None], Drafter] = {}

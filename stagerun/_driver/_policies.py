@@ -33,6 +33,9 @@ class SpeculationConfig:
         adaptive: let the window width follow acceptance, and stop drafting for a request
             whose acceptance is too low to pay for the windows.
         draft_model: the GGUF (name or path) for ``draft-model``.
+        forced: a request with a grammar drafts the tokens its grammar forces (and has its
+            other drafts cut where the grammar refuses them), speculating for that even with
+            ``drafter`` off; False leaves its decoding as for any request.
     """
 
     drafter: str = "off"
@@ -40,6 +43,7 @@ class SpeculationConfig:
     window: int = 4
     adaptive: bool = True
     draft_model: str | None = None
+    forced: bool = True
 
     def __attrs_post_init__(self) -> None:
         if self.drafter != "off" and self.drafter not in plugins.names("drafters"):

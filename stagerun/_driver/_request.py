@@ -35,18 +35,25 @@ from .._decide import SpeculationTimings
 from .._decide._prefill import ChunkPolicy
 from .._decide._windows import telemetry_attributes
 from .._engine import Session, StageEngine
-from .._errors import LaneError, RecoveryFailedError, StageError, StageGivenUpError
+from .._errors import (
+    LaneError,
+    RecoveryFailedError,
+    StageError,
+    StageGivenUpError,
+    StagerunError,
+)
 from .._text import TextAssembler
 from ..abc import Drafter
 from ..model import ModelFile
 from ._config import RecoveryPolicy, SpeculationConfig
+from ._forced import GrammarDrafter
 from ._lanes import LanePool
 from ._prefill import PrefillReport
 from ._route import LaneRoute, LocalRoute, PrefillSettings, Route
 from ._speculative import SpeculativeDecode
 from ._supervise import given_up
 from ._timings import PrefillTimings, RecoveryTimings, Timings
-from ._values import Completion, StageInfo, TokenChunk
+from ._values import Completion, StageInfo, TokenChunk, TokenLogprob
 
 log = logging.getLogger("stagerun.pipeline")
 
@@ -139,6 +146,10 @@ class Request:
         self.eog = frozenset[int]() if ignore_eog else pipeline.model.config.eog_ids
         self.request_id = secrets.randbits(62)
         self.generated: list[int] = []
+        # with logprobs asked for: the last stage's rows by the position they predict, and
+        # the committed tokens' (`note`, `commit`)
+        self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs >= 0 else None
+        self._rows: dict[int, TokenLogprob] = {}
         self.session: Session  # on stage 0, for the attempt running (`attempt`)
         # What the request measures of itself, by concern (see `Timings`).
         self.prefill_timings = PrefillTimings()
@@ -167,6 +178,7 @@ class Request:
 
     async def run(self) -> Completion:
         """Generate to the end, recovering from lane failures; return the `Completion`."""
+        await self._draft_from_grammar()
         pool = self.pipeline.pool
         if pool is None:
             return await self.completion(await self.attempt(LocalRoute(self.engine)))
@@ -179,6 +191,20 @@ class Request:
             except (LaneError, StageError) as exc:
                 await self.recover(exc, attempt)
         return await self.completion(eog_stop)
+
+    async def _draft_from_grammar(self) -> None:
+        """A request with a grammar drafts its forced tokens (`GrammarDrafter`).
+
+        Speculation is turned on for it if it was off (windows then carry forced tokens
+        only), unless ``SpeculationConfig.forced`` is False.
+        """
+        grammars = self.engine.grammars
+        if not self.sampling.grammar or not self.speculation.forced or grammars is None:
+            return
+        matcher = await trio.to_thread.run_sync(grammars.matcher, self.sampling.grammar)
+        self.drafter = GrammarDrafter(matcher, self.drafter)
+        if not self.speculation.enabled:
+            self.speculation = attrs.evolve(self.speculation, drafter="ngram")
 
     def _prefill_settings(self) -> PrefillSettings:
         pipeline = self.pipeline
@@ -198,6 +224,7 @@ class Request:
         context = replay_context(self.prompt_ids, self.generated)
         self.session = self.engine.open(self.request_id, self.sampling, len(self.prompt_ids))
         try:
+            await self.engine.constrain(self.session)  # a one-stage pipeline samples here
             names: list[int] = []
             if self.engine.prefix_cache is not None:
                 names = self.pipeline.prefix_names(
@@ -211,10 +238,44 @@ class Request:
         finally:
             self.engine.close(self.session)
 
+    def note(self, reply: _proto.Predictions, first: int) -> None:
+        """Keep the log-probabilities of ``reply``'s rows, whose first predicts ``first``.
+
+        A later reply for the same positions (after a draft diverged) replaces them; a
+        stale window's reply is never noted.
+        """
+        if self.logprobs is None:
+            return
+        if len(reply.logprobs) != len(reply.tokens):
+            raise StagerunError(
+                f"the last stage answered {len(reply.tokens)} rows with "
+                f"{len(reply.logprobs)} log-probabilities"
+            )
+        top = len(reply.top_ids) // len(reply.tokens) if reply.tokens else 0
+        for i, (token, logprob) in enumerate(zip(reply.tokens, reply.logprobs, strict=True)):
+            ids = reply.top_ids[i * top : (i + 1) * top]
+            values = reply.top_logprobs[i * top : (i + 1) * top]
+            self._rows[first + i] = TokenLogprob(
+                token, logprob, tuple(zip(ids, values, strict=True))
+            )
+
     async def commit(self, token: int) -> bool:
         """Emit one generated token; True when a stop string ended generation."""
+        logprob = None
+        if self.logprobs is not None:
+            position = len(self.prompt_ids) + len(self.generated)
+            logprob = self._rows.pop(position, None)
+            if logprob is None or logprob.token_id != token:
+                raise StagerunError(
+                    f"no log-probability for token {token} at position {position}: the last "
+                    f"stage's rows say {logprob}"
+                )
+            for stale in [p for p in self._rows if p < position]:
+                del self._rows[stale]
+            self.logprobs.append(logprob)
         self.generated.append(token)
-        await self.emit(TokenChunk(token, self._assembler.push(self._decoder.push(token))))
+        text = self._assembler.push(self._decoder.push(token))
+        await self.emit(TokenChunk(token, text, logprob))
         return self._assembler.stopped
 
     def load(self) -> float:
@@ -256,6 +317,8 @@ class Request:
         Then the context's blocks are remembered on every stage for later requests.
         """
         prefilled = await route.prefill(self, context, names)
+        if prefilled.reply is not None:
+            self.note(prefilled.reply, len(context))
         timings = self.prefill_timings
         timings.prefix_cached_tokens = prefilled.start  # of the last prefill
         if prefilled.report is not None:
@@ -303,6 +366,7 @@ class Request:
         message = _proto.Decode(request_id=self.request_id, position=position, tokens=(token,))
         await route.send(message, await self.compute(message), self.wire_dtype)
         reply = await route.receive_predictions(self.request_id)
+        self.note(reply, position + 1)
         return int(reply.tokens[-1])
 
     async def recover(self, failure: LaneError | StageError, attempt: _Attempt) -> None:
@@ -390,6 +454,7 @@ class Request:
             prompt_token_ids=list(self.prompt_ids),
             finish_reason=finish,
             timings=timings,
+            logprobs=self.logprobs,
         )
 
     def timings(self, t_end: float) -> Timings:

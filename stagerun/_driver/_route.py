@@ -52,6 +52,7 @@ class Prefilled:
     token: int
     start: int  # the positions before it were restored from the prefix caches
     report: PrefillReport | None = None  # None: one compute on stage 0, no lane
+    reply: _proto.Predictions | None = None  # the last stage's answer to the last chunk
 
 
 class Route(Protocol):
@@ -139,7 +140,7 @@ class LaneRoute:
             configure_owed=not names,
         )
         reply = await lane.receive_predictions(request.request_id)
-        return Prefilled(int(reply.tokens[-1]), start, report)
+        return Prefilled(int(reply.tokens[-1]), start, report, reply)
 
     async def send(
         self,
@@ -186,7 +187,7 @@ class LocalRoute:
         )
         logits = await request.compute(message)
         answer = self.engine.answer(request.session, message, logits)
-        return Prefilled(answer.tokens[-1], start)
+        return Prefilled(answer.tokens[-1], start, None, answer)
 
     async def send(
         self,

@@ -45,6 +45,7 @@ from .._errors import LaneError, StageError
 from .._util import one_failure, single_exceptions
 from ..abc import Drafter
 from ._config import SpeculationConfig
+from ._forced import GrammarDrafter
 from ._route import Route
 
 _Reply = _proto.Predictions | _proto.Cancelled
@@ -91,6 +92,9 @@ class Speculating(Protocol):
 
     async def compute(self, message: _proto.ActivationMessage) -> Any:
         """Stage 0's own layers for ``message``."""
+
+    def note(self, reply: _proto.Predictions, first: int) -> None:
+        """Keep a live window's rows (log-probabilities), whose first predicts ``first``."""
 
     async def commit(self, token: int) -> bool:
         """Emit one committed token; True when generation must end (a stop string)."""
@@ -194,6 +198,8 @@ class SpeculativeDecode:
             controller.on_cancelled(reply.window_ids, now_ms=self.now_ms())
         else:
             timings = self._window_timings(reply.window_id, arrived_ms)
+            if not any(w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight):
+                self.request.note(reply, reply.position + 1)
             await self.apply(
                 controller.on_predictions(
                     reply.window_id, reply.tokens, now_ms=self.now_ms(), timings=timings
@@ -239,11 +245,14 @@ class SpeculativeDecode:
         `SpeculationController.observe_load`).
         """
         self.controller.observe_load(self.request.load(), now_ms=self.now_ms())
+        forcing = isinstance(self.drafter, GrammarDrafter)
         while (request := self.controller.next_draft_request()) is not None:
             proposal: Sequence[int] = ()
-            if request.drafts > 0:
+            certain = 0
+            if request.drafts > 0 or forcing:  # forced tokens are worth a window at any load
                 proposal = await self._propose(request.context, request.drafts)
-            opened = self.controller.open_window(proposal, now_ms=self.now_ms())
+                certain = self.drafter.certain if isinstance(self.drafter, GrammarDrafter) else 0
+            opened = self.controller.open_window(proposal, now_ms=self.now_ms(), certain=certain)
             if opened is None:
                 return  # no drafts for a continuation: wait for the next reply
             await self.apply([opened])

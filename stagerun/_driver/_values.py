@@ -19,26 +19,45 @@ __all__ = [
     "StageHealth",
     "StageInfo",
     "TokenChunk",
+    "TokenLogprob",
 ]
 
 
 @attrs.frozen
+class TokenLogprob:
+    """A token's log-probability under the model's raw distribution, and the likeliest ones.
+
+    ``top`` holds the ``SamplingParams.logprobs`` most likely tokens at that position, as
+    ``(token_id, logprob)``, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@attrs.frozen
 class TokenChunk:
-    """One generated token and the text it completes (may be empty mid-character)."""
+    """One generated token and the text it completes (may be empty mid-character).
+
+    ``logprob`` is the token's `TokenLogprob` when the request asked for them.
+    """
 
     token_id: int
     text: str
+    logprob: TokenLogprob | None = None
 
 
 @attrs.frozen
 class Completion:
-    """The result of one request."""
+    """The result of one request (``logprobs``: one per token, when asked for)."""
 
     text: str
     token_ids: list[int]
     prompt_token_ids: list[int]
     finish_reason: Literal["stop", "length"]
     timings: Timings  # typed, and a mapping of the llama-server style keys
+    logprobs: list[TokenLogprob] | None = None
 
 
 @attrs.frozen

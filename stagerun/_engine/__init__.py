@@ -15,6 +15,9 @@ from ._budget import SessionBudget as SessionBudget
 from ._config import StageConfig as StageConfig
 from ._engine import SessionRefused as SessionRefused
 from ._engine import StageEngine as StageEngine
+from ._grammar import GrammarError as GrammarError
+from ._grammar import Grammars as Grammars
+from ._grammar import model_grammars as model_grammars
 from ._prefix import DEFAULT_PREFIX_CACHE_MB as DEFAULT_PREFIX_CACHE_MB
 from ._prefix import PrefixCache as PrefixCache
 from ._session import Session as Session

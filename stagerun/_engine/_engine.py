@@ -27,15 +27,17 @@ from typing import Any, Literal
 
 import attrs
 import numpy as np
+import trio
 
 from .. import _proto, _spans
-from .._decide._sampling import sample_rows
 from .._decide._ticks import DEFAULT_TICK_ROWS
 from .._errors import ComputeCancelled, StageError
 from ..abc import ComputeBackend, ForwardItem, exports_kv
 from ._batcher import TickBatcher, TickInfo
 from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
+from ._grammar import GrammarError, Grammars
 from ._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, keep_blocks, restore_blocks
+from ._sampler import RowSampler
 from ._session import Session, StopCheck, check_finite, compute_stats
 
 __all__ = ["SessionRefused", "StageEngine"]
@@ -72,8 +74,10 @@ class StageEngine:
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
+        grammars: Grammars | None = None,
     ) -> None:
         self.backend = backend
+        self.grammars = grammars  # None: requests with a grammar are refused
         self.index = index
         self.budget = SessionBudget(max_sessions=max_sessions, max_kv_tokens=max_kv_tokens)
         self.prefix_cache: PrefixCache | None = None
@@ -110,7 +114,31 @@ class StageEngine:
         refusal = self.budget.open()
         if refusal is not None:
             raise SessionRefused(f"stage {self.index} refused request {request_id}: {refusal}")
-        return Session(cache=self.backend.new_cache(), sampling=sampling, prompt_len=prompt_len)
+        session = Session(cache=self.backend.new_cache(), sampling=sampling, prompt_len=prompt_len)
+        if self.is_last:
+            session.sampler = RowSampler(sampling, prompt_len)
+        return session
+
+    async def constrain(self, session: Session) -> None:
+        """Give ``session``'s sampler its grammar's matcher (compiled in a worker thread).
+
+        Raises:
+            SessionRefused: the grammar does not compile, or this stage has no vocabulary
+                to compile it over.
+        """
+        grammar = session.sampling.grammar
+        if session.sampler is None or not grammar:
+            return
+        if self.grammars is None:
+            raise SessionRefused(
+                f"stage {self.index} cannot apply a grammar: it was started without its "
+                "model's tokenizer"
+            )
+        try:
+            matcher = await trio.to_thread.run_sync(self.grammars.matcher, grammar)
+        except GrammarError as exc:
+            raise SessionRefused(f"stage {self.index} refused the grammar: {exc}") from None
+        session.sampler.grammar = matcher
 
     async def restore(self, session: Session, names: tuple[int, ...] | list[int]) -> int:
         """Copy the longest run of ``names`` this stage holds into ``session``'s new cache.
@@ -121,6 +149,8 @@ class StageEngine:
         cache = self.prefix_cache
         if cache is None or not names:
             return 0
+        if session.sampler is not None:  # the last stage samples after the blocks' tokens
+            names = names[: cache.run_with_tokens(names)]
         held = await restore_blocks(
             cache,
             self.backend,
@@ -128,12 +158,24 @@ class StageEngine:
             names,
             room=lambda positions: self.budget.grow(session, positions) is None,
         )
+        if session.sampler is not None and held:
+            restored = cache.tokens_of(names[:held])
+            assert restored is not None, "the blocks were checked for their tokens"
+            session.sampler.restore(restored)
         return held * _proto.PREFIX_BLOCK
 
     async def remember(self, session: Session, names: tuple[int, ...] | list[int]) -> None:
         """Keep the blocks of ``names`` that ``session``'s cache holds and the stage does not."""
         if self.prefix_cache is not None and names:
-            await keep_blocks(self.prefix_cache, self.backend, session.cache, names)
+            sampler = session.sampler
+            tokens = None if sampler is None else list(sampler.history)
+            await keep_blocks(self.prefix_cache, self.backend, session.cache, names, tokens)
+
+    def trim(self, session: Session, position: int) -> None:
+        """Cut ``session``'s cache, and its sampling history, back to ``position``."""
+        session.cache.trim(position)
+        if session.sampler is not None:
+            session.sampler.trim(position)
 
     def close(self, session: Session) -> None:
         """End ``session``: what it held goes back to the budget."""
@@ -196,6 +238,8 @@ class StageEngine:
         else:
             item = ForwardItem(session.cache, message.position, hidden=hidden, logits=rows)
         item = attrs.evolve(item, should_stop=stop)
+        if session.sampler is not None:
+            session.sampler.record(min(message.position, session.cache.length), message.tokens)
         self.computes += 1
         start, tick = time.perf_counter(), TickInfo()
         try:
@@ -231,13 +275,17 @@ class StageEngine:
         is sampled from the request's seed and ``p + 1`` alone, so a stale window's reply
         never changes what a later one samples.
         """
-        last_position = message.position + (len(message.tokens) - out.shape[0])
+        assert session.sampler is not None, "only the last stage answers"
+        rows = session.sampler.answer(message, out)
         return _proto.Predictions(
             request_id=message.request_id,
             window_id=message.window_id if isinstance(message, _proto.Verify) else 0,
             position=message.position,
-            tokens=tuple(sample_rows(out, session.sampling, last_position + 1)),
+            tokens=rows.tokens,
             stats=stats if stats is not None else _proto.StageStats(),
+            logprobs=rows.logprobs,
+            top_ids=rows.top_ids,
+            top_logprobs=rows.top_logprobs,
         )
 
     def _count_stopped(

@@ -43,6 +43,7 @@ __all__ = ["DEFAULT_PREFIX_CACHE_MB", "PrefixCache", "keep_blocks", "restore_blo
 class _Block:
     kv: Any  # the backend's export: has ``nbytes``
     nbytes: int
+    tokens: tuple[int, ...] | None = None  # the block's tokens, where the stage knew them
 
 
 class PrefixCache:
@@ -111,9 +112,10 @@ class PrefixCache:
             self._blocks.move_to_end(names[i])
         return [i for i in range(whole) if names[i] not in self._blocks]
 
-    def insert(self, name: int, kv: Any) -> bool:
+    def insert(self, name: int, kv: Any, tokens: Sequence[int] | None = None) -> bool:
         """Keep ``kv`` as block ``name``, evicting the least recently used to make room.
 
+        ``tokens`` are the block's tokens, kept for a last stage that samples after them.
         False when it does not fit (larger than the cache, or the stage's running requests
         hold the KV positions it would need).
         """
@@ -130,10 +132,28 @@ class PrefixCache:
                 if not self._blocks:
                     return False  # the running requests hold every position
                 self._evict_one()
-        self._blocks[name] = _Block(kv, nbytes)
+        self._blocks[name] = _Block(kv, nbytes, None if tokens is None else tuple(tokens))
         self.bytes += nbytes
         self.stored_blocks += 1
         return True
+
+    def run_with_tokens(self, names: Sequence[int]) -> int:
+        """How many of ``names``, from the first, are held with their tokens (not counted)."""
+        for i, name in enumerate(names):
+            block = self._blocks.get(name)
+            if block is None or block.tokens is None:
+                return i
+        return len(names)
+
+    def tokens_of(self, names: Sequence[int]) -> list[int] | None:
+        """The tokens of the held blocks ``names``, one after another; None if one lacks them."""
+        tokens: list[int] = []
+        for name in names:
+            block = self._blocks.get(name)
+            if block is None or block.tokens is None:
+                return None
+            tokens.extend(block.tokens)
+        return tokens
 
     def reclaim(self, positions: int) -> int:
         """Evict blocks for at least ``positions`` KV positions; the positions freed."""
@@ -192,18 +212,28 @@ async def restore_blocks(
     return len(blocks)
 
 
-async def keep_blocks(cache: PrefixCache, backend: Any, kv: Any, names: Sequence[int]) -> None:
+async def keep_blocks(
+    cache: PrefixCache,
+    backend: Any,
+    kv: Any,
+    names: Sequence[int],
+    tokens: Sequence[int] | None = None,
+) -> None:
     """Copy the blocks of ``names`` that ``kv`` holds and ``cache`` does not, into ``cache``.
 
-    The copies are taken in a worker thread; the caller must not change ``kv`` meanwhile.
+    ``tokens``, where given, are the positions' tokens: each block keeps its own. The copies
+    are taken in a worker thread; the caller must not change ``kv`` meanwhile.
     """
+    step = _proto.PREFIX_BLOCK
     wanted = cache.missing(names, kv.length)
     if not wanted:
         return
-    step = _proto.PREFIX_BLOCK
 
     def copy() -> list[Any]:
         return [backend.export_kv(kv, i * step, (i + 1) * step) for i in wanted]
 
     for i, block in zip(wanted, await trio.to_thread.run_sync(copy), strict=True):
-        cache.insert(names[i], block)
+        own = None
+        if tokens is not None and len(tokens) >= (i + 1) * step:
+            own = tokens[i * step : (i + 1) * step]
+        cache.insert(names[i], block, own)

@@ -23,6 +23,7 @@ import numpy as np
 from .. import _proto
 from ..abc import ComputeBackend
 from ..telemetry import now_ns
+from ._sampler import RowSampler
 
 __all__ = [
     "Session",
@@ -47,6 +48,7 @@ class Session:
     compute_us: int = 0
     forward_write_us: int = 0
     kv_positions: int = 0  # the furthest position charged to the stage's `SessionBudget`
+    sampler: RowSampler | None = None  # on the last stage: the request's sampling state
 
 
 def us_since(start: float) -> int:

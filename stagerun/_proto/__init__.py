@@ -69,10 +69,10 @@ from ._messages import Prefill as Prefill
 from ._messages import PrefixStats as PrefixStats
 from ._messages import Probe as Probe
 from ._messages import Remember as Remember
-from ._messages import SamplingParams as SamplingParams
 from ._messages import StageStats as StageStats
 from ._messages import Status as Status
 from ._messages import Stop as Stop
 from ._messages import Trim as Trim
 from ._messages import Verify as Verify
 from ._prefix import prefix_chain as prefix_chain
+from ._sampling_params import SamplingParams as SamplingParams

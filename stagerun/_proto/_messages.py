@@ -23,6 +23,7 @@ Kind names are class variables (``Decode.kind == "decode"``); :data:`MESSAGE_TYP
 back to classes and :data:`CARRIES_ACTIVATIONS` lists the classes whose frames carry a payload.
 """
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Final, TypeAlias, cast
 
@@ -35,17 +36,16 @@ from ._fields import (
     _ID_LIMIT,
     _KEY_LIMIT,
     _TOKEN_LIMIT,
-    _as_float,
     _as_tuple,
     _bounded_str,
-    _finite_float,
     _int_in,
     _int_tuple,
     _is_bool,
     _show,
 )
+from ._sampling_params import MAX_TOP_LOGPROBS, SamplingParams, _as_floats
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 
 MAX_TOKENS_PER_MESSAGE: Final = 65536
 MAX_WINDOW_IDS: Final = 64
@@ -58,75 +58,6 @@ _TOKENS = _int_tuple(limit=_TOKEN_LIMIT, max_len=MAX_TOKENS_PER_MESSAGE, non_emp
 _MAYBE_TOKENS = _int_tuple(limit=_TOKEN_LIMIT, max_len=MAX_TOKENS_PER_MESSAGE, non_empty=False)
 _WINDOW_IDS = _int_tuple(limit=_ID_LIMIT, max_len=MAX_WINDOW_IDS, non_empty=False)
 _PREFIX_NAMES = _int_tuple(limit=_KEY_LIMIT, max_len=MAX_PREFIX_NAMES, non_empty=False)
-
-
-MAX_LOGIT_BIAS: Final = 1024  # tokens one request may bias (OpenAI allows 300)
-MAX_BIAS: Final = 100.0  # OpenAI's range, -100..100: -100 bans a token, 100 all but forces it
-
-
-def _as_floats(value: Any) -> Any:
-    """A list or tuple of numbers as a tuple of floats (ints accepted, never bools)."""
-    if type(value) in (list, tuple):
-        return tuple(float(v) if type(v) is int else v for v in value)
-    return value
-
-
-@attrs.frozen
-class SamplingParams:
-    """How the last stage picks the next token.
-
-    Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
-        top_k: keep only the k most likely tokens; 0 turns the filter off.
-        top_p: nucleus sampling mass in (0, 1]; 1 turns the filter off.
-        seed: seed of the request's random generator, in [0, 2**64).
-        min_p: keep only tokens at least this fraction as likely as the most likely one
-            (after temperature and top-k); 0 turns the filter off.
-        bias_ids, bias_values: OpenAI's ``logit_bias``: ``bias_values[i]`` (-100..100) is added
-            to the logit of token ``bias_ids[i]`` before anything else, greedy included.
-    """
-
-    temperature: float = attrs.field(default=0.0, converter=_as_float, validator=_finite_float)
-    top_k: int = attrs.field(default=0, validator=_int_in(_ID_LIMIT))
-    top_p: float = attrs.field(default=1.0, converter=_as_float, validator=_finite_float)
-    seed: int = attrs.field(default=0, validator=_int_in(_KEY_LIMIT))
-    min_p: float = attrs.field(default=0.0, converter=_as_float, validator=_finite_float)
-    bias_ids: tuple[int, ...] = attrs.field(
-        default=(),
-        converter=_as_tuple,
-        validator=_int_tuple(limit=_TOKEN_LIMIT, max_len=MAX_LOGIT_BIAS, non_empty=False),
-    )
-    bias_values: tuple[float, ...] = attrs.field(default=(), converter=_as_floats)
-
-    @temperature.validator
-    def _check_temperature(self, attribute: "attrs.Attribute[float]", value: float) -> None:
-        if value < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {value}.")
-
-    @top_p.validator
-    def _check_top_p(self, attribute: "attrs.Attribute[float]", value: float) -> None:
-        if not 0 < value <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {value}.")
-
-    @min_p.validator
-    def _check_min_p(self, attribute: "attrs.Attribute[float]", value: float) -> None:
-        if not 0 <= value <= 1:
-            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {value}.")
-
-    @bias_values.validator
-    def _check_bias(self, attribute: "attrs.Attribute[Any]", value: object) -> None:
-        if type(value) is not tuple or len(value) != len(self.bias_ids):
-            raise ValueError(
-                f"SamplingParams.bias_values must be a tuple of {len(self.bias_ids)} floats, "
-                f"one per bias id, got {_show(value)}."
-            )
-        for v in value:
-            if type(v) is not float or not -MAX_BIAS <= v <= MAX_BIAS:
-                raise ValueError(
-                    f"SamplingParams.bias_values must be floats in [-100, 100], got {_show(v)}."
-                )
-        if len(set(self.bias_ids)) != len(self.bias_ids):
-            raise ValueError("SamplingParams.bias_ids must not repeat a token.")
 
 
 @attrs.frozen
@@ -335,7 +266,12 @@ class Status:
 
 @attrs.frozen
 class Predictions:
-    """Tokens the last stage predicted for the window (or decode step) starting at ``position``."""
+    """Tokens the last stage predicted for the window (or decode step) starting at ``position``.
+
+    For a request that asked for log-probabilities (``SamplingParams.logprobs`` n >= 0),
+    ``logprobs`` holds each row's sampled token's, and ``top_ids``/``top_logprobs`` the n
+    most likely tokens of each row, row after row (``n * len(tokens)`` of each).
+    """
 
     kind: ClassVar[str] = "predictions"
     request_id: int = attrs.field(validator=_ID)
@@ -345,6 +281,41 @@ class Predictions:
     stats: StageStats = attrs.field(
         default=_NO_STATS, validator=attrs.validators.instance_of(StageStats)
     )
+    logprobs: tuple[float, ...] = attrs.field(default=(), converter=_as_floats)
+    top_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple, validator=_MAYBE_TOKENS)
+    top_logprobs: tuple[float, ...] = attrs.field(default=(), converter=_as_floats)
+
+    @logprobs.validator
+    def _check_logprobs(self, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        _check_logprob_rows(self, attribute, value, len(self.tokens))
+
+    @top_logprobs.validator
+    def _check_top(self, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        _check_logprob_rows(self, attribute, value, len(self.top_ids))
+        if self.top_ids and (not self.tokens or len(self.top_ids) % len(self.tokens)):
+            raise ValueError(
+                f"Predictions.top_ids must hold the same number of ids for each of the "
+                f"{len(self.tokens)} rows, got {len(self.top_ids)}."
+            )
+        if self.top_ids and len(self.top_ids) > MAX_TOP_LOGPROBS * len(self.tokens):
+            raise ValueError(f"Predictions.top_ids holds more than {MAX_TOP_LOGPROBS} per row.")
+
+
+def _check_logprob_rows(
+    instance: object, attribute: "attrs.Attribute[Any]", value: object, length: int
+) -> None:
+    """``value`` is empty, or ``length`` log-probabilities (finite floats, at most 0)."""
+    if type(value) is not tuple or (value and len(value) != length):
+        raise ValueError(
+            f"Predictions.{attribute.name} must be empty or hold {length} floats, got "
+            f"{_show(value)}."
+        )
+    for v in value:
+        if type(v) is not float or not -math.inf < v <= 0.0:
+            raise ValueError(
+                f"Predictions.{attribute.name} must hold log-probabilities (finite, at most "
+                f"0), got {_show(v)}."
+            )
 
 
 @attrs.frozen

@@ -37,7 +37,7 @@ from typing import Any
 import trio
 
 from .. import _proto, plugins
-from .._engine import PrefixCache, SessionBudget, StageEngine, TickBatcher
+from .._engine import Grammars, PrefixCache, SessionBudget, StageEngine, TickBatcher, model_grammars
 from .._engine._config import DEFAULT_IDLE_TIMEOUT as DEFAULT_IDLE_TIMEOUT
 from .._engine._config import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
 from .._engine._config import DEFAULT_MAX_HANDSHAKES as DEFAULT_MAX_HANDSHAKES
@@ -76,7 +76,12 @@ class StageServer:
     """
 
     def __init__(
-        self, backend: ComputeBackend, config: StageConfig | None = None, **settings: Any
+        self,
+        backend: ComputeBackend,
+        config: StageConfig | None = None,
+        *,
+        grammars: Grammars | None = None,
+        **settings: Any,
     ) -> None:
         config = StageConfig.from_settings(config, settings)
         config.check_backend(backend.layers, backend.is_last)
@@ -99,6 +104,7 @@ class StageServer:
             max_sessions=config.max_sessions,
             max_kv_tokens=config.max_kv_tokens,
             prefix_cache_bytes=config.prefix_cache_bytes,
+            grammars=grammars if grammars is not None else model_grammars(backend),
         )
         self.refused = 0  # connections turned down in the handshake
         self.protocol_errors = 0  # lanes closed for a malformed frame

@@ -165,7 +165,7 @@ class LaneWorker:
                 if summarize:
                     engine.summarize(request_id, session)
             case cmd.TrimCache(session, position):
-                session.cache.trim(position)
+                engine.trim(session, position)
             case cmd.Compute():
                 await self._compute(command)
             case cmd.SendDown():
@@ -178,7 +178,11 @@ class LaneWorker:
                 await self._send_up(reply)
             case cmd.Reply(message, session, output, stats):
                 assert self.sink is not None, "the last stage binds its return connection first"
-                answer = engine.answer(session, message, output, stats)
+                try:
+                    answer = engine.answer(session, message, output, stats)
+                except ValueError as exc:  # a grammar that failed part-way
+                    await self._fail(message.request_id, f"sampling failed: {exc}", upstream=False)
+                    return
                 await self.sink.send(answer, timeout=server.reply_timeout)
             case cmd.SendCancelled(request_id, epoch, window_ids):
                 if self.sink is not None:
@@ -217,6 +221,12 @@ class LaneWorker:
         try:
             session = engine.open(message.request_id, message.sampling, message.prompt_len)
         except SessionRefused as exc:
+            await self._carry_out_all(self.lane.refused(message, str(exc)))
+            return
+        try:
+            await engine.constrain(session)
+        except SessionRefused as exc:
+            engine.close(session)
             await self._carry_out_all(self.lane.refused(message, str(exc)))
             return
         cached = await engine.restore(session, message.prefix)

@@ -375,6 +375,10 @@ class Tokenizer:
         """Text of ``ids``; control tokens are written out unless ``skip_special``."""
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special))
 
+    def to_json(self) -> str:
+        """The tokenizer in Hugging Face ``tokenizers``' JSON form (for grammar engines)."""
+        return str(self._backend.to_str())
+
     def longest_token_chars(self) -> int:
         """The characters of the longest vocabulary entry, as the file spells it."""
         if isinstance(self._tokens, StringArray):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "ApiError",
+    "Kind",
     "error_envelope",
     "invalid",
     "json_type",
@@ -15,6 +16,10 @@ __all__ = [
     "optional_number",
     "required",
 ]
+
+
+Kind = Literal["completion", "chat"]
+"""Which endpoint a generation request came to: ``/v1/completions`` or chat."""
 
 
 class ApiError(Exception):

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import secrets
 
+import attrs
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from .._proto import SamplingParams
+from .._engine import GrammarError
 from ._admission import Ticket, prompt_char_limit
+from ._api_values import invalid
 from ._config import DEFAULT_COMPLETION_MAX_TOKENS
 from ._generation import GenerationResponse
+from ._grammars import Constraint
 from ._openai import (
     ApiError,
     GenerationRequest,
@@ -125,22 +128,22 @@ async def _generation(request: Request, kind: Kind) -> Response:
     else:
         max_tokens = min(state.http.max_tokens_default, room)
     vocab = state.pipeline.config.vocab_size
-    for token, _ in req.logit_bias:
+    for token, _ in req.knobs.logit_bias:
         if token >= vocab:
             raise ApiError(400, f"'logit_bias' names token {token}, outside the vocabulary "
                            f"(0..{vocab - 1})", param="logit_bias")  # fmt: skip
-    sampling = SamplingParams(
-        temperature=req.temperature,
-        top_k=req.top_k,
-        top_p=req.top_p,
-        seed=secrets.randbits(63) if req.seed is None else req.seed,
-        min_p=req.min_p,
-        bias_ids=tuple(token for token, _ in req.logit_bias),
-        bias_values=tuple(bias for _, bias in req.logit_bias),
-    )
+    sampling = req.knobs.sampling_params(secrets.randbits(63) if req.seed is None else req.seed)
+    if req.constraint is not None:
+        await check_constraint(state, req.constraint)
+        sampling = attrs.evolve(sampling, grammar=req.constraint.grammar)
     ticket = _admit(state, len(prompt_ids), max_tokens)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    shape = ResponseShape(req, prefix + secrets.token_hex(12), req.model)
+    shape = ResponseShape(
+        req,
+        prefix + secrets.token_hex(12),
+        req.model,
+        token_bytes=state.pipeline.tokenizer.token_bytes,
+    )
     return GenerationResponse(
         state,
         shape,
@@ -178,3 +181,26 @@ def _admit(state: ServerState, prompt_tokens: int, max_tokens: int) -> Ticket:
             headers={"Retry-After": "1"},
         )
     return ticket
+
+
+async def check_constraint(state: ServerState, constraint: Constraint) -> None:
+    """Compile ``constraint`` over the model's vocabulary once; a 400 if it does not compile."""
+    grammars = state.pipeline.engine.grammars
+    assert grammars is not None, "a pipeline's stage 0 always has its model's grammars"
+
+    def check() -> bool:
+        grammars.check(constraint.grammar)
+        return True
+
+    try:
+        checked = await state.admission.tokenize(check)
+    except GrammarError as exc:
+        raise invalid(f"'{constraint.param}' does not compile: {exc}", constraint.param) from None
+    if checked is None:
+        raise ApiError(
+            429,
+            "the server is busy compiling and tokenizing other requests; retry after a second",
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": "1"},
+        )

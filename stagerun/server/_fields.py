@@ -3,8 +3,8 @@
 Every field is either honoured, refused with a 400 that names it, or on a short list of fields
 that change nothing an answer holds (`IGNORED_FIELDS`: ``user``, ``metadata`` and friends),
 which are logged once each. Fields that ask for something stagerun cannot do yet (``n`` > 1,
-``logprobs``, ``tools``, penalties) pass only with their neutral values (``n: 1``, ``tools:
-[]``, a penalty of 0), since clients send those by default; a field stagerun does not know at
+``tools``) pass only with their neutral values (``n: 1``, ``tools: []``), since clients send
+those by default; a field stagerun does not know at
 all (``repetition_penalty``, ``grammar``, ``guided_json``...) is refused rather than dropped,
 so that nobody gets unconstrained text believing it constrained. docs/api.md's "Request
 fields" tables list the same (tests/test_api_surface.py checks both ways).
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from ._api_values import invalid, optional_int, optional_number
+from ._api_values import Kind as Kind
+from ._api_values import invalid, optional_int
+from ._grammars import CONSTRAINT_FIELDS
 
 __all__ = [
     "HONOURED_FIELDS",
@@ -27,15 +29,10 @@ __all__ = [
 
 log = logging.getLogger("stagerun.server")
 
-Kind = Literal["completion", "chat"]
-
 
 # Parameters stagerun does not implement, each with the values that ask for nothing (clients
 # send those by default), and what to do instead. Any other value is refused by name.
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    # chat sends a boolean, completions an integer (0 asks for none)
-    "logprobs": ((None, False, 0), "logprobs are not supported; leave it out"),
-    "top_logprobs": ((None, 0), "logprobs are not supported; leave it out"),
     "tools": ((None, []), "tools are not supported; leave 'tools' out"),
     "tool_choice": ((None, "none", "auto"), "tools are not supported; leave 'tool_choice' out"),
     # meaningless while 'tools' must be empty; any boolean asks for nothing then
@@ -58,12 +55,14 @@ _UNSUPPORTED_IN_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 # The fields each endpoint honours; docs/api.md's "Request fields" table lists the same.
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-           "stream_options", "n", "cache_salt", "min_p", "logit_bias")  # fmt: skip
+           "stream_options", "n", "cache_salt", "min_p", "logit_bias", "logprobs",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "repeat_penalty",
+           "repeat_last_n", *CONSTRAINT_FIELDS)  # fmt: skip
 HONOURED_FIELDS: dict[Kind, frozenset[str]] = {
-    "chat": frozenset({*_COMMON, "messages", "max_completion_tokens"}),
+    "chat": frozenset({*_COMMON, "messages", "max_completion_tokens", "top_logprobs"}),
     "completion": frozenset({*_COMMON, "prompt"}),
 }
-_NEUTRAL = ("presence_penalty", "frequency_penalty", "response_format", *_UNSUPPORTED)
+_NEUTRAL = tuple(_UNSUPPORTED)
 # Fields taken only with the value that asks for nothing (see the tables above).
 NEUTRAL_ONLY_FIELDS: dict[Kind, frozenset[str]] = {
     "chat": frozenset(_NEUTRAL),
@@ -115,10 +114,3 @@ def check_fields(data: Mapping[str, Any], kind: Kind) -> None:
     if n not in (None, 1):
         raise invalid(f"only n=1 is supported, got n={n}: send one request per choice", "n")
     _refuse_unsupported(data, _UNSUPPORTED)
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        value = optional_number(data, penalty)
-        if value not in (None, 0.0):
-            raise invalid(f"'{penalty}' is not supported: leave it out or send 0", penalty)
-    fmt = data.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid("only response_format {'type': 'text'} is supported", "response_format")

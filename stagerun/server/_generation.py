@@ -39,7 +39,7 @@ import trio
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from .._driver._values import Completion
+from .._driver._values import Completion, TokenLogprob
 from .._errors import LaneError, LaneTimeoutError, StageError, StageGivenUpError, StagerunError
 from .._proto import SamplingParams
 from ._admission import Ticket
@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from ._state import ServerState
 
 log = logging.getLogger("stagerun.server")
+
+OnText = Callable[[str, list[TokenLogprob]], Awaitable[None]]
+"""Called with each piece of streamed text and the logprobs of the tokens it completes."""
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [
@@ -139,6 +142,7 @@ class GenerationResponse(Response):
         self._finished = False
         self._outbox: trio.MemorySendChannel[Message] | None = None
         self._deadline = 0.0  # trio.current_time() when the request runs out of time
+        self._unshown: list[TokenLogprob] = []  # logprobs of tokens no streamed text showed
 
     def __repr__(self) -> str:
         return (
@@ -192,8 +196,9 @@ class GenerationResponse(Response):
             self.state.metrics.disconnects += 1
             scope.cancel(reason=f"client of {self.shape.id} disconnected")
 
-    async def _run(self, on_text: Callable[[str], Awaitable[None]] | None) -> Completion:
+    async def _run(self, on_text: OnText | None) -> Completion:
         await self.ticket.wait()
+        pending: list[TokenLogprob] = []  # of tokens whose text has not shown yet
         try:
             async with self.state.pipeline.generate(
                 self.prompt_ids,
@@ -204,19 +209,21 @@ class GenerationResponse(Response):
                 cache_salt=self.shape.request.cache_salt,
             ) as stream:
                 async for chunk in stream:
+                    if chunk.logprob is not None:
+                        pending.append(chunk.logprob)
                     if on_text is not None and chunk.text:
-                        await on_text(chunk.text)
+                        await on_text(chunk.text, pending)
+                        pending = []
         finally:
             self.ticket.release()  # the lane is back in the pool: let the next one run
         assert stream.result is not None
+        self._unshown = pending
         result = stream.result
         self.state.metrics.observe_tokens(len(result.prompt_token_ids), len(result.token_ids))
         self.state.metrics.observe_timings(result.timings)
         return result
 
-    async def _generate(
-        self, on_text: Callable[[str], Awaitable[None]] | None
-    ) -> Completion | ApiError:
+    async def _generate(self, on_text: OnText | None) -> Completion | ApiError:
         """The completion, or the error to answer with; within the request's deadline."""
         with trio.move_on_at(self._deadline):
             try:
@@ -267,8 +274,13 @@ class GenerationResponse(Response):
                 {"type": "http.response.body", "body": sse_event(payload), "more_body": more}
             )
 
-        async def on_text(text: str) -> None:
-            await event(self.shape.text_chunk(text))
+        offset = 0  # of the chunk's first token in the completion's text (completions')
+
+        async def on_text(text: str, logprobs: list[TokenLogprob]) -> None:
+            nonlocal offset
+            wanted = logprobs if self.sampling.logprobs >= 0 else None
+            await event(self.shape.text_chunk(text, wanted, offset))
+            offset += self.shape.spelled_length(logprobs)
 
         result = await self._generate(on_text)
         if isinstance(result, ApiError):
@@ -278,7 +290,7 @@ class GenerationResponse(Response):
                 self._finished = True
                 await event(result.envelope(), more=False)
             return
-        await event(self.shape.finish_chunk(result.finish_reason))
+        await event(self.shape.finish_chunk(result.finish_reason, self._unshown, offset))
         if self.shape.request.include_usage:
             await event(self.shape.usage_chunk(result))
         self._finished = True

@@ -22,7 +22,6 @@ from typing import Any, Literal, NoReturn
 
 import attrs
 
-from .._proto._messages import MAX_LOGIT_BIAS
 from ._api_values import ApiError as ApiError
 from ._api_values import error_envelope as error_envelope
 from ._api_values import (
@@ -30,11 +29,12 @@ from ._api_values import (
     json_type,
     optional_bool,
     optional_int,
-    optional_number,
     required,
 )
 from ._fields import Kind as Kind
 from ._fields import check_fields
+from ._grammars import Constraint, parse_constraint
+from ._knobs import Knobs, parse_knobs
 
 ChatRole = Literal["system", "user", "assistant"]
 
@@ -42,13 +42,6 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 # Characters in one stop string: OpenAI documents none; 1,024 holds any delimiter in use, and
 # text that might begin a stop string is held back from the stream, so this bounds the delay.
 MAX_STOP_CHARS = 1024
-# The smallest temperature above 0: logits / temperature must stay finite in float64 (5e-324
-# makes them inf and the probabilities NaN); below it, sampling is greedy but for near-ties.
-MIN_TEMPERATURE = 1e-5
-MAX_TEMPERATURE = 2.0  # OpenAI's limit
-# top_k beyond any vocabulary (token ids are below 2**31 on the wire) keeps every token, as 0
-# does; larger integers would not fit the wire's int64.
-MAX_TOP_K = 2**31 - 1
 _SEED_MODULUS = 2**64
 _ROLES: dict[str, ChatRole] = {
     "system": "system",
@@ -78,16 +71,13 @@ class GenerationRequest:
     prompt: str | tuple[int, ...] = ""
     messages: tuple[ChatMessage, ...] = ()
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
-    min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    knobs: Knobs = attrs.field(factory=Knobs)
+    constraint: Constraint | None = None  # structured output: the grammar it asks for
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -140,7 +130,7 @@ def parse_generation_request(
     else:
         prompt = _prompt(required(data, "prompt"), context_length)
         max_tokens = optional_int(data, "max_tokens", minimum=1)
-    temperature, top_p, top_k = _sampling(data)
+    knobs = parse_knobs(data, kind)
     seed = optional_int(data, "seed")
     stream = optional_bool(data, "stream")
     include_usage = _include_usage(data, bool(stream))
@@ -150,72 +140,14 @@ def parse_generation_request(
         prompt=prompt,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
         seed=None if seed is None else seed % _SEED_MODULUS,
         stop=_stop(data.get("stop")),
         stream=bool(stream),
         include_usage=include_usage,
         cache_salt=_cache_salt(data.get("cache_salt")),
-        min_p=_min_p(data),
-        logit_bias=_logit_bias(data.get("logit_bias")),
+        knobs=knobs,
+        constraint=parse_constraint(data),
     )
-
-
-def _sampling(data: Mapping[str, Any]) -> tuple[float, float, int]:
-    """The request's temperature, top_p and top_k (defaults 1, 1 and 0: every token)."""
-    temperature = optional_number(data, "temperature")
-    if temperature is not None and not (
-        temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE
-    ):
-        raise invalid(
-            f"'temperature' must be between 0 and {MAX_TEMPERATURE:g}: 0 (greedy) or at least "
-            f"{MIN_TEMPERATURE:g}, got {temperature}",
-            "temperature",
-        )
-    top_p = optional_number(data, "top_p")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise invalid(f"'top_p' must be greater than 0 and at most 1, got {top_p}", "top_p")
-    top_k = optional_int(data, "top_k", minimum=-1)
-    if top_k is not None and top_k > MAX_TOP_K:
-        raise invalid(
-            f"'top_k' must be at most {MAX_TOP_K}, got {top_k}: send 0 to keep every token",
-            "top_k",
-        )
-    return (
-        1.0 if temperature is None else temperature,
-        1.0 if top_p is None else top_p,
-        max(top_k or 0, 0),  # -1, the older way of saying off (vLLM), is 0
-    )
-
-
-def _min_p(data: Mapping[str, Any]) -> float:
-    min_p = optional_number(data, "min_p")
-    if min_p is not None and not 0.0 <= min_p <= 1.0:
-        raise invalid(f"'min_p' must be between 0 and 1, got {min_p}", "min_p")
-    return min_p or 0.0
-
-
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``logit_bias``: token ids (JSON keys, so strings) to biases in -100..100."""
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise invalid(f"'logit_bias' must be an object, not {json_type(value)}", "logit_bias")
-    if len(value) > MAX_LOGIT_BIAS:
-        raise invalid(
-            f"'logit_bias' biases {len(value)} tokens, more than {MAX_LOGIT_BIAS}", "logit_bias"
-        )
-    out = []
-    for key, bias in value.items():
-        where = f"logit_bias.{key[:32]}"
-        if not (key.isascii() and key.isdigit() and len(key) <= 10):
-            raise invalid(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-            raise invalid(f"'{where}' must be a number from -100 to 100", "logit_bias")
-        out.append((int(key), float(bias)))
-    return tuple(out)
 
 
 def _include_usage(data: Mapping[str, Any], stream: bool) -> bool:

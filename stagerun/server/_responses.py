@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from .._driver._values import Completion
+from .._driver._values import Completion, TokenLogprob
 from ._openai import GenerationRequest
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -59,14 +59,65 @@ def usage_json(result: Completion) -> dict[str, Any]:
     }
 
 
+def _no_bytes(token_id: int) -> bytes:
+    return b""
+
+
 @attrs.frozen
 class ResponseShape:
-    """The fixed parts of every object one request answers with."""
+    """The fixed parts of every object one request answers with.
+
+    ``token_bytes`` gives a token's bytes, to spell the tokens of ``logprobs``.
+    """
 
     request: GenerationRequest
     id: str
     model: str
     created: int = attrs.field(factory=lambda: int(time.time()))
+    token_bytes: Callable[[int], bytes] = _no_bytes
+
+    def _spelled(self, token_id: int) -> tuple[str, list[int]]:
+        raw = self.token_bytes(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def spelled_length(self, entries: Sequence[TokenLogprob]) -> int:
+        """The characters of ``entries``' tokens, as `logprobs_json` spells them."""
+        return sum(len(self._spelled(entry.token_id)[0]) for entry in entries)
+
+    def logprobs_json(
+        self, entries: Sequence[TokenLogprob] | None, offset: int = 0
+    ) -> dict[str, Any] | None:
+        """``logprobs`` of a choice (or a chunk) for ``entries``: chat's or completions' shape.
+
+        ``offset`` is where the first token's text starts in the completion's text.
+        """
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(entry) for entry in entries], "refusal": None}
+        tokens, offsets, tops = [], [], []
+        for entry in entries:
+            text, _ = self._spelled(entry.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            top = {self._spelled(token)[0]: logprob for token, logprob in entry.top}
+            top.setdefault(text, entry.logprob)  # the chosen token's too, as OpenAI's
+            tops.append(top)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
+        text, raw = self._spelled(entry.token_id)
+        top = []
+        for token, logprob in entry.top:
+            top_text, top_raw = self._spelled(token)
+            top.append({"token": top_text, "logprob": logprob, "bytes": top_raw})
+        return {"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top}
 
     @property
     def chat(self) -> bool:
@@ -82,7 +133,7 @@ class ResponseShape:
             choice["message"] = {"role": "assistant", "content": result.text}
         else:
             choice["text"] = result.text
-        choice["logprobs"] = None
+        choice["logprobs"] = self.logprobs_json(result.logprobs)
         choice["finish_reason"] = result.finish_reason
         body = self._base("chat.completion" if self.chat else "text_completion")
         body["choices"] = [choice]
@@ -104,19 +155,29 @@ class ResponseShape:
         delta = {"role": "assistant", "content": ""}
         return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
+    def text_chunk(
+        self, text: str, logprobs: Sequence[TokenLogprob] | None = None, offset: int = 0
+    ) -> dict[str, Any]:
+        """A chunk of ``text``, with the ``logprobs`` of the tokens it completes."""
+        choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None}
+            choice["delta"] = {"content": text}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs_json(logprobs, offset)
         choice["finish_reason"] = None
         return self._chunk(choice)
 
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
+    def finish_chunk(
+        self, finish_reason: str, logprobs: Sequence[TokenLogprob] | None = None, offset: int = 0
+    ) -> dict[str, Any]:
+        """The chunk that ends the choice (with the logprobs of tokens no text showed yet)."""
+        choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
+            choice["delta"] = {}
         else:
-            choice = {"index": 0, "text": "", "logprobs": None}
+            choice["text"] = ""
+        choice["logprobs"] = self.logprobs_json(logprobs, offset) if logprobs else None
         choice["finish_reason"] = finish_reason
         return self._chunk(choice)
 
