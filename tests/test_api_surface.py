@@ -105,6 +105,7 @@ BAD_VALUES: dict[str, object] = {
     "repetition_penalty": 0, "repeat_penalty": -1, "repeat_last_n": -2,
     "response_format": {"type": "xml"}, "json_schema": 5, "grammar": "", "guided_json": [],
     "structured_outputs": {}, "guided_regex": "", "guided_choice": [], "guided_grammar": 5,
+    "tools": 5, "tool_choice": "sometimes", "parallel_tool_calls": "x",
 }  # fmt: skip
 
 

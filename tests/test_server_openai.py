@@ -97,7 +97,7 @@ def test_completion_prompts_are_text_or_token_ids() -> None:
         ({**CHAT, "logprobs": 1}, "logprobs", "true or false"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
         ({**CHAT, "presence_penalty": 2.5}, "presence_penalty", "between -2 and 2"),
-        ({**CHAT, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function", "must be an object"),
     ],
 )
 def test_bad_chat_requests_name_the_field_and_the_fix(

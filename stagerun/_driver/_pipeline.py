@@ -230,21 +230,34 @@ class Pipeline:
         return [int(t) for t in items]  # type: ignore[call-overload]
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **extra: Any,
     ) -> str:
         """Messages as the chat template renders them, with the generation prompt unless
         ``add_generation_prompt`` is false.
 
         The template is the one the pipeline was opened with
-        (`PipelineConfig.chat_template`), else the model's.
+        (`PipelineConfig.chat_template`), else the model's. ``extra`` are further template
+        variables (``tools``).
 
         Raises:
             ChatTemplateError: the model has no template and none was given, or the template
                 refused the messages.
         """
         return self.model.render_chat(
-            messages, add_generation_prompt=add_generation_prompt, template=self.chat_template
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            template=self.chat_template,
+            **extra,
         )
+
+    @property
+    def effective_chat_template(self) -> str | None:
+        """The template `render_chat` renders with (None: the model has none)."""
+        return self.model.template_for_chat(self.chat_template)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Token ids of `render_chat` (control tokens as their ids, no BOS added)."""

@@ -197,18 +197,19 @@ class ModelFile:
         *,
         add_generation_prompt: bool = True,
         template: str | None = None,
+        **extra: Any,
     ) -> str:
         """Render messages with ``template``, else the model's chat template.
 
         The model's is the file's ``tokenizer.chat_template``, else its family's
-        (`Family.chat_template`).
+        (`Family.chat_template`). ``extra`` are further template variables (``tools``).
 
         Raises:
             ChatTemplateError: there is no template (a base model, like Gemma 3 270M), or it
                 refused the messages.
         """
         tok = self.tokenizer
-        template = template or self.chat_template or self.config.family.chat_template
+        template = self.template_for_chat(template)
         if template is None:
             raise ChatTemplateError(
                 f"{self.path.name} has no chat template (it may be a base model, which "
@@ -221,7 +222,12 @@ class ModelFile:
             add_generation_prompt=add_generation_prompt,
             bos_token=tok.token_text(tok.bos_id),
             eos_token=tok.token_text(tok.eos_id),
+            **extra,
         )
+
+    def template_for_chat(self, template: str | None = None) -> str | None:
+        """The chat template `render_chat` uses: ``template``, the file's, or the family's."""
+        return template or self.chat_template or self.config.family.chat_template
 
     def apply_chat_template(
         self,

@@ -30,6 +30,7 @@ from ._openai import (
 )
 from ._responses import ResponseShape
 from ._state import ServerState, server_state
+from ._tools import render_messages, tool_format, tool_grammar
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -99,9 +100,10 @@ async def _prompt_ids(state: ServerState, req: GenerationRequest) -> tuple[list[
     def tokenize() -> list[int]:  # in a worker thread
         if req.kind == "completion":
             return pipeline.encode_prompt(prompt)
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        fmt = tool_format(pipeline.effective_chat_template)
+        messages, extra = render_messages([m.for_template() for m in req.messages], req.tools, fmt)
         # ModelFile.apply_chat_template's two steps, with the bound between them
-        text = bounded(pipeline.render_chat(messages))
+        text = bounded(pipeline.render_chat(messages, **extra))
         return pipeline.tokenizer.encode(text, special=True, add_bos=False)
 
     if req.kind == "completion":
@@ -133,9 +135,14 @@ async def _generation(request: Request, kind: Kind) -> Response:
             raise ApiError(400, f"'logit_bias' names token {token}, outside the vocabulary "
                            f"(0..{vocab - 1})", param="logit_bias")  # fmt: skip
     sampling = req.knobs.sampling_params(secrets.randbits(63) if req.seed is None else req.seed)
-    if req.constraint is not None:
-        await check_constraint(state, req.constraint)
-        sampling = attrs.evolve(sampling, grammar=req.constraint.grammar)
+    constraint, fmt = req.constraint, None
+    if req.tools is not None:
+        fmt = tool_format(state.pipeline.effective_chat_template)
+        grammar = tool_grammar(req.tools, fmt)
+        constraint = None if grammar is None else Constraint("tools", grammar)
+    if constraint is not None:
+        await check_constraint(state, constraint)
+        sampling = attrs.evolve(sampling, grammar=constraint.grammar)
     ticket = _admit(state, len(prompt_ids), max_tokens)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     shape = ResponseShape(
@@ -143,6 +150,7 @@ async def _generation(request: Request, kind: Kind) -> Response:
         prefix + secrets.token_hex(12),
         req.model,
         token_bytes=state.pipeline.tokenizer.token_bytes,
+        tool_format=fmt,
     )
     return GenerationResponse(
         state,

@@ -33,10 +33,6 @@ log = logging.getLogger("stagerun.server")
 # Parameters stagerun does not implement, each with the values that ask for nothing (clients
 # send those by default), and what to do instead. Any other value is refused by name.
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), "tools are not supported; leave 'tools' out"),
-    "tool_choice": ((None, "none", "auto"), "tools are not supported; leave 'tool_choice' out"),
-    # meaningless while 'tools' must be empty; any boolean asks for nothing then
-    "parallel_tool_calls": ((None, True, False), "send true or false"),
     "functions": ((None, []), "functions are not supported; leave 'functions' out"),
     "function_call": ((None, "none", "auto"), "functions are not supported; leave it out"),
     "audio": ((None,), "audio output is not supported; leave 'audio' out"),
@@ -47,6 +43,9 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": ((None,), "predicted outputs are not supported; leave 'prediction' out"),
 }
 _UNSUPPORTED_IN_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), "tools are for /v1/chat/completions; leave 'tools' out"),
+    "tool_choice": ((None, "none", "auto"), "tools are for /v1/chat/completions"),
+    "parallel_tool_calls": ((None, True, False), "send true or false"),
     "echo": ((None, False), "echo is not supported; leave it out"),
     "suffix": ((None, ""), "suffix is not supported; leave it out"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
@@ -58,8 +57,10 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "stream_options", "n", "cache_salt", "min_p", "logit_bias", "logprobs",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "repeat_penalty",
            "repeat_last_n", *CONSTRAINT_FIELDS)  # fmt: skip
+_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+              "parallel_tool_calls")  # fmt: skip
 HONOURED_FIELDS: dict[Kind, frozenset[str]] = {
-    "chat": frozenset({*_COMMON, "messages", "max_completion_tokens", "top_logprobs"}),
+    "chat": frozenset({*_COMMON, *_CHAT_ONLY}),
     "completion": frozenset({*_COMMON, "prompt"}),
 }
 _NEUTRAL = tuple(_UNSUPPORTED)

@@ -282,7 +282,7 @@ class GenerationResponse(Response):
             await event(self.shape.text_chunk(text, wanted, offset))
             offset += self.shape.spelled_length(logprobs)
 
-        result = await self._generate(on_text)
+        result = await self._generate(None if self.shape.holds_text else on_text)
         if isinstance(result, ApiError):
             if not self._started:
                 await self._send_error(result)
@@ -290,7 +290,13 @@ class GenerationResponse(Response):
                 self._finished = True
                 await event(result.envelope(), more=False)
             return
-        await event(self.shape.finish_chunk(result.finish_reason, self._unshown, offset))
+        finish: str = result.finish_reason
+        if self.shape.holds_text:  # the tool calls are parsed from the whole answer
+            chunks, finish = self.shape.held_chunks(result)
+            for chunk in chunks:
+                await event(chunk)
+            self._unshown = []
+        await event(self.shape.finish_chunk(finish, self._unshown, offset))
         if self.shape.request.include_usage:
             await event(self.shape.usage_chunk(result))
         self._finished = True

@@ -34,8 +34,16 @@ from ._api_values import invalid, json_type
 
 __all__ = ["CONSTRAINT_FIELDS", "Constraint", "parse_constraint"]
 
-CONSTRAINT_FIELDS = ("response_format", "json_schema", "grammar", "structured_outputs",
-                     "guided_json", "guided_regex", "guided_choice", "guided_grammar")  # fmt: skip
+CONSTRAINT_FIELDS = (
+    "response_format",
+    "json_schema",
+    "grammar",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 """Every field that asks for constrained output (at most one per request)."""
 
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}
@@ -124,8 +132,9 @@ def _structured_outputs(value: Any) -> Constraint | None:
     if unknown:
         raise invalid(f"'{param}.{_short(unknown[0])}' is not supported", param)
     if len(kinds) != 1:
-        raise invalid(f"'{param}' must hold one of json, regex, choice, grammar, json_object",
-                      param)  # fmt: skip
+        raise invalid(
+            f"'{param}' must hold one of json, regex, choice, grammar, json_object", param
+        )
     kind, item = kinds[0], value[kinds[0]]
     where = f"{param}.{kind}"
     match kind:
@@ -180,8 +189,9 @@ def _grammar(param: str, value: Any) -> Constraint:
     try:
         lark = any_to_lark(value)
     except Exception as exc:  # the converter raises its own error types, and plain ones
-        raise invalid(f"'{param}' is not a GBNF or Lark grammar: {_first_line(exc)}",
-                      param) from None  # fmt: skip
+        raise invalid(
+            f"'{param}' is not a GBNF or Lark grammar: {_first_line(exc)}", param
+        ) from None
     return Constraint(param, llguidance.LLMatcher.grammar_from_lark(lark))
 
 

@@ -35,8 +35,9 @@ from ._fields import Kind as Kind
 from ._fields import check_fields
 from ._grammars import Constraint, parse_constraint
 from ._knobs import Knobs, parse_knobs
+from ._tools import Tools, parse_tools
 
-ChatRole = Literal["system", "user", "assistant"]
+ChatRole = Literal["system", "user", "assistant", "tool"]
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 # Characters in one stop string: OpenAI documents none; 1,024 holds any delimiter in use, and
@@ -48,13 +49,27 @@ _ROLES: dict[str, ChatRole] = {
     "developer": "system",
     "user": "user",
     "assistant": "assistant",
+    "tool": "tool",
 }
 
 
 @attrs.frozen
 class ChatMessage:
+    """One chat message, checked; an assistant's ``tool_calls`` are OpenAI's shape."""
+
     role: ChatRole
     content: str
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
+    tool_call_id: str | None = None  # of a ``tool`` message: the call it answers
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a dict (what `_tools.render_messages` and templates take)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 @attrs.frozen
@@ -78,6 +93,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     knobs: Knobs = attrs.field(factory=Knobs)
     constraint: Constraint | None = None  # structured output: the grammar it asks for
+    tools: Tools | None = None  # chat: the functions it may (or must) call
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -131,6 +147,13 @@ def parse_generation_request(
         prompt = _prompt(required(data, "prompt"), context_length)
         max_tokens = optional_int(data, "max_tokens", minimum=1)
     knobs = parse_knobs(data, kind)
+    constraint = parse_constraint(data)
+    tools = parse_tools(data) if kind == "chat" else None
+    if tools is not None and constraint is not None:
+        raise invalid(
+            f"'{constraint.param}' and 'tools' both constrain the answer: send one",
+            constraint.param,
+        )
     seed = optional_int(data, "seed")
     stream = optional_bool(data, "stream")
     include_usage = _include_usage(data, bool(stream))
@@ -146,7 +169,8 @@ def parse_generation_request(
         include_usage=include_usage,
         cache_salt=_cache_salt(data.get("cache_salt")),
         knobs=knobs,
-        constraint=parse_constraint(data),
+        constraint=constraint,
+        tools=tools,
     )
 
 
@@ -271,16 +295,64 @@ def parse_messages(value: Any, context: int | None) -> tuple[ChatMessage, ...]:
         where = f"messages[{i}]"
         if not isinstance(raw, dict):
             raise invalid(f"'{where}' must be an object, not {json_type(raw)}", where)
-        role = raw.get("role")
-        if role not in _ROLES:
-            raise invalid(
-                f"'{where}.role' must be one of system, user or assistant, got {role!r}",
-                f"{where}.role",
-            )
-        if "content" not in raw or raw["content"] is None:
-            raise invalid(f"'{where}.content' is required", f"{where}.content")
-        out.append(ChatMessage(_ROLES[role], _content(raw["content"], f"{where}.content")))
+        out.append(_message(raw, where))
     return tuple(out)
+
+
+def _message(raw: dict[str, Any], where: str) -> ChatMessage:
+    role = raw.get("role")
+    if role not in _ROLES:
+        raise invalid(
+            f"'{where}.role' must be one of system, user, assistant or tool, got {role!r}",
+            f"{where}.role",
+        )
+    calls = _tool_calls(raw.get("tool_calls"), where) if role == "assistant" else ()
+    if raw.get("content") is None and not calls:
+        raise invalid(f"'{where}.content' is required", f"{where}.content")
+    content = "" if raw.get("content") is None else _content(raw["content"], f"{where}.content")
+    call_id = None
+    if role == "tool":
+        call_id = raw.get("tool_call_id")
+        if not isinstance(call_id, str) or not 0 < len(call_id) <= 256:
+            raise invalid(
+                f"'{where}.tool_call_id' must be a string of 1 to 256 characters",
+                f"{where}.tool_call_id",
+            )
+    return ChatMessage(_ROLES[role], content, calls, call_id)
+
+
+def _tool_calls(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
+    """An assistant turn's ``tool_calls``: ``{id, type: function, function: {name, arguments}}``."""
+    if value is None or value == []:
+        return ()
+    if not isinstance(value, list) or len(value) > 128:
+        raise invalid(
+            f"'{where}.tool_calls' must be an array of at most 128 calls", f"{where}.tool_calls"
+        )
+    calls = []
+    for i, call in enumerate(value):
+        at = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments", ""), str)
+        ):
+            raise invalid(
+                f"'{at}' must be {{id, type: 'function', function: {{name, arguments}}}} with "
+                "a string name and arguments",
+                at,
+            )
+        call_id = call.get("id")
+        arguments = checked_text(function.get("arguments", ""), at)
+        calls.append(
+            {
+                "id": call_id if isinstance(call_id, str) else f"call_{i}",
+                "type": "function",
+                "function": {"name": checked_text(function["name"], at), "arguments": arguments},
+            }
+        )
+    return tuple(calls)
 
 
 def _stop(value: Any) -> tuple[str, ...]:

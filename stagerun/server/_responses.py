@@ -18,6 +18,7 @@ import attrs
 
 from .._driver._values import Completion, TokenLogprob
 from ._openai import GenerationRequest
+from ._tools import ToolFormat, parse_tool_output
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -75,6 +76,23 @@ class ResponseShape:
     model: str
     created: int = attrs.field(factory=lambda: int(time.time()))
     token_bytes: Callable[[int], bytes] = _no_bytes
+    tool_format: ToolFormat | None = None  # a chat with tools: parse calls out of the answer
+
+    @property
+    def holds_text(self) -> bool:
+        """Whether a stream holds its text back to the end (tool calls are parsed from it)."""
+        return self.tool_format is not None
+
+    def message(self, result: Completion) -> tuple[dict[str, Any], str]:
+        """A chat answer's message, and its finish reason (``tool_calls`` when it calls)."""
+        if self.tool_format is None:
+            return {"role": "assistant", "content": result.text}, result.finish_reason
+        content, calls = parse_tool_output(result.text, self.tool_format)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if not calls:
+            return message, result.finish_reason
+        message["tool_calls"] = calls
+        return message, "tool_calls"
 
     def _spelled(self, token_id: int) -> tuple[str, list[int]]:
         raw = self.token_bytes(token_id)
@@ -129,12 +147,13 @@ class ResponseShape:
     def final(self, result: Completion) -> dict[str, Any]:
         """The whole non-streaming answer."""
         choice: dict[str, Any] = {"index": 0}
+        finish: str = result.finish_reason
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
+            choice["message"], finish = self.message(result)
         else:
             choice["text"] = result.text
         choice["logprobs"] = self.logprobs_json(result.logprobs)
-        choice["finish_reason"] = result.finish_reason
+        choice["finish_reason"] = finish
         body = self._base("chat.completion" if self.chat else "text_completion")
         body["choices"] = [choice]
         body["usage"] = usage_json(result)
@@ -180,6 +199,18 @@ class ResponseShape:
         choice["logprobs"] = self.logprobs_json(logprobs, offset) if logprobs else None
         choice["finish_reason"] = finish_reason
         return self._chunk(choice)
+
+    def held_chunks(self, result: Completion) -> tuple[list[dict[str, Any]], str]:
+        """A held-back stream's content and ``tool_calls`` deltas, and its finish reason."""
+        message, finish = self.message(result)
+        chunks = []
+        if message["content"]:
+            chunks.append(self.text_chunk(message["content"], result.logprobs))
+        for index, call in enumerate(message.get("tool_calls", [])):
+            delta = {"tool_calls": [{"index": index, **call}]}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            chunks.append(self._chunk(choice))
+        return chunks, finish
 
     def usage_chunk(self, result: Completion) -> dict[str, Any]:
         body = self._chunk(None)
