@@ -367,7 +367,8 @@ def _whole_calls(text: str) -> list[dict[str, Any]]:
     prefix = '{"tool_calls":['
     if not text.startswith(prefix):
         return []
-    decoder, at, found = json.JSONDecoder(), len(prefix), []
+    decoder, at = json.JSONDecoder(), len(prefix)
+    found: list[dict[str, Any]] = []
     while True:
         try:
             item, at = decoder.raw_decode(text, at)
