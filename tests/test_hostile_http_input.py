@@ -304,7 +304,7 @@ def test_a_denormal_temperature_samples_greedily_without_nan() -> None:
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("modalities", ["text", "audio"]),
         ("prediction", {"type": "content", "content": "x"}),
-        ("n", 2),
+        ("n", 17),
         ("logprobs", 1),
         ("top_logprobs", 3),  # without logprobs: true
         ("presence_penalty", 2.5),
@@ -346,7 +346,7 @@ def test_neutral_values_of_unsupported_parameters_pass(field: str, value: Any) -
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("echo", True), ("suffix", "x"), ("best_of", 2), ("logit_bias", {"1": 1000})],
+    [("echo", "yes"), ("suffix", "x"), ("best_of", 2), ("logit_bias", {"1": 1000})],
 )
 def test_unsupported_completion_parameters_are_refused(field: str, value: Any) -> None:
     body = {"model": "tiny", "prompt": "hi", field: value}

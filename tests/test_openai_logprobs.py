@@ -101,3 +101,28 @@ async def test_penalties_change_the_answer_and_are_checked(tiny: Path) -> None:
         both = {**COMPLETION, "repetition_penalty": 1.1, "repeat_penalty": 1.1}
         response = await client.post("/v1/completions", json=both)
         assert response.status_code == 400 and response.json()["error"]["param"] == "repeat_penalty"
+
+
+async def test_n_choices_and_echo_whole_and_streamed(real: Path) -> None:
+    body = {**COMPLETION, "n": 2, "temperature": 1.0, "seed": 7, "echo": True, "logprobs": 2}
+    async with served(real) as client:
+        whole = (await client.post("/v1/completions", json=body)).json()
+        choices = whole["choices"]
+        assert [c["index"] for c in choices] == [0, 1]
+        assert all(c["text"].startswith(COMPLETION["prompt"]) for c in choices)
+        assert choices[0]["text"] != choices[1]["text"]  # each its own seed
+        prompt_tokens = whole["usage"]["prompt_tokens"]
+        for choice in choices:
+            logprobs = choice["logprobs"]
+            assert logprobs["token_logprobs"][0] is None
+            assert len(logprobs["tokens"]) == prompt_tokens + 12
+            assert "".join(logprobs["tokens"]) == choice["text"]
+        events = await _events(client, "/v1/completions", body)
+        for index, choice in enumerate(choices):
+            mine = [c for ev in events for c in ev["choices"] if c["index"] == index]
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            assert mine[-1]["finish_reason"] == choice["finish_reason"]
+            scored = [t for c in mine if c["logprobs"] for t in c["logprobs"]["token_logprobs"]]
+            assert sorted(map(str, scored)) == sorted(
+                map(str, choice["logprobs"]["token_logprobs"])
+            )

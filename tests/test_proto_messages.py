@@ -240,6 +240,9 @@ def test_unstructure_gives_plain_msgpack_values() -> None:
         "logprobs": [],
         "top_ids": [],
         "top_logprobs": [],
+        "prompt_logprobs": [],
+        "prompt_top_ids": [],
+        "prompt_top_logprobs": [],
     }
     rows = Predictions(1, 2, 3, (4, 5), logprobs=(-0.5, -1.0), top_ids=(4, 8, 5, 9),
                        top_logprobs=(-0.5, -2.0, -1.0, -1.5))  # fmt: skip

@@ -169,7 +169,7 @@ def test_serve_prints_one_line_and_the_openai_client_works(server: LiveServer, t
             "shorten the prompt",
         ),
         ({"model": "gpt-4", "messages": MESSAGES}, 404, "model", "use 'tiny'"),
-        ({"model": "tiny", "messages": MESSAGES, "n": 3}, 400, "n", "only n=1"),
+        ({"model": "tiny", "messages": MESSAGES, "n": 30}, 400, "n", "at most 16"),
         (
             {"model": "tiny", "messages": MESSAGES, "pad": "x" * (4 * 1024 * 1024)},
             413,

@@ -89,7 +89,7 @@ def test_completion_prompts_are_text_or_token_ids() -> None:
         ({**CHAT, "temperature": 3}, "temperature", "between 0 and 2"),
         ({**CHAT, "temperature": "hot"}, "temperature", "must be a number"),
         ({**CHAT, "top_p": 0}, "top_p", "greater than 0"),
-        ({**CHAT, "n": 2}, "n", "only n=1"),
+        ({**CHAT, "n": 17}, "n", "at most 16"),
         ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({**CHAT, "stop": [""]}, "stop[0]", "non-empty string"),
         ({**CHAT, "stream": "yes"}, "stream", "true or false"),
@@ -122,7 +122,8 @@ def test_bad_chat_requests_name_the_field_and_the_fix(
     [
         ("", "empty"),
         ([], "empty"),
-        (["a", "b"], "only one per request"),
+        (["a", ""], "empty"),
+        (["a"] * 65, "at most 64"),
         ([1, -2], "non-negative"),
         (7, "string or an array"),
     ],

@@ -32,7 +32,7 @@ import trio
 
 from .. import _proto, _spans, telemetry
 from .._decide import SpeculationTimings
-from .._decide._prefill import ChunkPolicy
+from .._decide._prefill import ChunkPolicy, FixedChunks
 from .._decide._windows import telemetry_attributes
 from .._engine import Session, StageEngine
 from .._errors import (
@@ -40,7 +40,6 @@ from .._errors import (
     RecoveryFailedError,
     StageError,
     StageGivenUpError,
-    StagerunError,
 )
 from .._text import TextAssembler
 from ..abc import Drafter
@@ -48,8 +47,9 @@ from ..model import ModelFile
 from ._config import RecoveryPolicy, SpeculationConfig
 from ._forced import GrammarDrafter
 from ._lanes import LanePool
+from ._logprobs import LogprobRows, scored_prompt
 from ._prefill import PrefillReport
-from ._route import LaneRoute, LocalRoute, PrefillSettings, Route
+from ._route import SCORING_CHUNK, LaneRoute, LocalRoute, PrefillSettings, Route
 from ._speculative import SpeculativeDecode
 from ._supervise import given_up
 from ._timings import PrefillTimings, RecoveryTimings, Timings
@@ -121,8 +121,10 @@ class Request:
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if max_tokens < (0 if sampling.prompt_logprobs >= 0 else 1):
+            raise ValueError(
+                f"max_tokens must be at least 1 (0 only to score the prompt), got {max_tokens}"
+            )
         context = pipeline.model.config.context_length
         if len(prompt_ids) >= context:
             raise ValueError(
@@ -148,8 +150,9 @@ class Request:
         self.generated: list[int] = []
         # with logprobs asked for: the last stage's rows by the position they predict, and
         # the committed tokens' (`note`, `commit`)
-        self.logprobs: list[TokenLogprob] | None = [] if sampling.logprobs >= 0 else None
-        self._rows: dict[int, TokenLogprob] = {}
+        self.logprob_rows = LogprobRows() if sampling.logprobs >= 0 else None
+        # with prompt_logprobs: each prompt token's (the first has none)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.session: Session  # on stage 0, for the attempt running (`attempt`)
         # What the request measures of itself, by concern (see `Timings`).
         self.prefill_timings = PrefillTimings()
@@ -209,6 +212,13 @@ class Request:
     def _prefill_settings(self) -> PrefillSettings:
         pipeline = self.pipeline
         assert pipeline.pool is not None
+        if self.sampling.prompt_logprobs >= 0:  # every row's logits: small chunks
+            return PrefillSettings(
+                policy=FixedChunks(SCORING_CHUNK),
+                credit=pipeline.prefill_credit,
+                wire_dtype=pipeline.wire_dtype,
+                estimate=None,
+            )
         return PrefillSettings(
             policy=pipeline.prefill_policy,
             credit=pipeline.prefill_credit,
@@ -226,7 +236,8 @@ class Request:
         try:
             await self.engine.constrain(self.session)  # a one-stage pipeline samples here
             names: list[int] = []
-            if self.engine.prefix_cache is not None:
+            # positions restored from a prefix cache would not be scored: recompute them
+            if self.engine.prefix_cache is not None and self.sampling.prompt_logprobs < 0:
                 names = self.pipeline.prefix_names(
                     context, self.cache_salt, blocks=(len(context) - 1) // _proto.PREFIX_BLOCK
                 )
@@ -239,40 +250,16 @@ class Request:
             self.engine.close(self.session)
 
     def note(self, reply: _proto.Predictions, first: int) -> None:
-        """Keep the log-probabilities of ``reply``'s rows, whose first predicts ``first``.
-
-        A later reply for the same positions (after a draft diverged) replaces them; a
-        stale window's reply is never noted.
-        """
-        if self.logprobs is None:
-            return
-        if len(reply.logprobs) != len(reply.tokens):
-            raise StagerunError(
-                f"the last stage answered {len(reply.tokens)} rows with "
-                f"{len(reply.logprobs)} log-probabilities"
-            )
-        top = len(reply.top_ids) // len(reply.tokens) if reply.tokens else 0
-        for i, (token, logprob) in enumerate(zip(reply.tokens, reply.logprobs, strict=True)):
-            ids = reply.top_ids[i * top : (i + 1) * top]
-            values = reply.top_logprobs[i * top : (i + 1) * top]
-            self._rows[first + i] = TokenLogprob(
-                token, logprob, tuple(zip(ids, values, strict=True))
-            )
+        """Keep ``reply``'s log-probabilities, whose first row predicts ``first``."""
+        if self.logprob_rows is not None:
+            self.logprob_rows.note(reply, first)
 
     async def commit(self, token: int) -> bool:
         """Emit one generated token; True when a stop string ended generation."""
         logprob = None
-        if self.logprobs is not None:
+        if self.logprob_rows is not None:
             position = len(self.prompt_ids) + len(self.generated)
-            logprob = self._rows.pop(position, None)
-            if logprob is None or logprob.token_id != token:
-                raise StagerunError(
-                    f"no log-probability for token {token} at position {position}: the last "
-                    f"stage's rows say {logprob}"
-                )
-            for stale in [p for p in self._rows if p < position]:
-                del self._rows[stale]
-            self.logprobs.append(logprob)
+            logprob = self.logprob_rows.commit(token, position)
         self.generated.append(token)
         text = self._assembler.push(self._decoder.push(token))
         await self.emit(TokenChunk(token, text, logprob))
@@ -299,6 +286,8 @@ class Request:
             self.t_first = time.perf_counter()
         else:  # a recovery: the replay took this long
             self.recovery_timings.replay_ms += (time.perf_counter() - replay_start) * 1000.0
+        if self.max_tokens == 0:  # the prompt was all it asked for (scored)
+            return False
         if first in self.eog:
             return True
         if await self.commit(first) or len(self.generated) >= self.max_tokens:
@@ -319,6 +308,8 @@ class Request:
         prefilled = await route.prefill(self, context, names)
         if prefilled.reply is not None:
             self.note(prefilled.reply, len(context))
+            if self.sampling.prompt_logprobs >= 0:
+                self.prompt_logprobs = scored_prompt(prefilled.reply, self.prompt_ids)
         timings = self.prefill_timings
         timings.prefix_cached_tokens = prefilled.start  # of the last prefill
         if prefilled.report is not None:
@@ -454,7 +445,8 @@ class Request:
             prompt_token_ids=list(self.prompt_ids),
             finish_reason=finish,
             timings=timings,
-            logprobs=self.logprobs,
+            logprobs=None if self.logprob_rows is None else self.logprob_rows.committed,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def timings(self, t_end: float) -> Timings:

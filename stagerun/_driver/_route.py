@@ -29,7 +29,11 @@ from .._engine import Session, StageEngine
 from ._lanes import Lane
 from ._prefill import PrefillReport, send_prefill
 
-__all__ = ["LaneRoute", "LocalRoute", "Prefilled", "Prefilling", "Route"]
+__all__ = ["SCORING_CHUNK", "LaneRoute", "LocalRoute", "Prefilled", "Prefilling", "Route"]
+
+SCORING_CHUNK = 64
+"""Prompt tokens per prefill chunk of a request that scores its prompt: the last stage
+computes every row's logits for it (64 rows of a 262k vocabulary are 67 MB)."""
 
 
 class Prefilling(Protocol):
@@ -175,17 +179,29 @@ class LocalRoute:
         return f"<LocalRoute replies={self._replies.statistics().current_buffer_used}>"
 
     async def prefill(self, request: Prefilling, context: list[int], names: list[int]) -> Prefilled:
-        """One compute of the rest of ``context`` (as one stage alone computes it)."""
+        """One compute of the rest of ``context`` (as one stage alone computes it).
+
+        A request that scores its prompt computes it in chunks of `SCORING_CHUNK` (every
+        row's logits are computed then, and a whole prompt's would not fit in memory).
+        """
         self._session = request.session
         start = len(names) * _proto.PREFIX_BLOCK
-        message = _proto.Prefill(
-            request_id=request.request_id,
-            chunk_index=0,
-            position=start,
-            tokens=tuple(context[start:]),
-            predict=True,
-        )
-        logits = await request.compute(message)
+        scoring = request.sampling.prompt_logprobs >= 0
+        step = SCORING_CHUNK if scoring else len(context) - start
+        index, position = 0, start
+        while True:
+            end = min(position + step, len(context))
+            message = _proto.Prefill(
+                request_id=request.request_id,
+                chunk_index=index,
+                position=position,
+                tokens=tuple(context[position:end]),
+                predict=end == len(context),
+            )
+            logits = await request.compute(message)
+            if message.predict:
+                break
+            index, position = index + 1, end
         answer = self.engine.answer(request.session, message, logits)
         return Prefilled(answer.tokens[-1], start, None, answer)
 

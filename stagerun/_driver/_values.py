@@ -58,6 +58,8 @@ class Completion:
     finish_reason: Literal["stop", "length"]
     timings: Timings  # typed, and a mapping of the llama-server style keys
     logprobs: list[TokenLogprob] | None = None
+    # with ``SamplingParams.prompt_logprobs``: the prompt's tokens', None for the first
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @attrs.frozen

@@ -231,7 +231,13 @@ class StageEngine:
             raise SessionRefused(
                 f"stage {self.index} has no room for request {message.request_id}: {refusal}"
             )
-        rows: Literal["all", "last"] = "all" if isinstance(message, _proto.Verify) else "last"
+        scoring = (
+            isinstance(message, _proto.Prefill)
+            and session.sampler is not None
+            and session.sampler.scores_prompt
+        )
+        verify = isinstance(message, _proto.Verify)
+        rows: Literal["all", "last"] = "all" if verify or scoring else "last"
         if self.backend.is_first:
             tokens = np.asarray(message.tokens, dtype=np.int64)
             item = ForwardItem(session.cache, message.position, tokens=tokens, logits=rows)
@@ -254,6 +260,10 @@ class StageEngine:
             self._count_stopped(message, stop.layers_done, time.perf_counter() - start)
             raise
         check_finite(self.backend, out)
+        if scoring:  # every row scores the prompt; the answer needs the last one only
+            assert session.sampler is not None
+            session.sampler.score(message, out)
+            out = out[-1:]
         compute_us = int(tick.seconds * 1e6)  # its tick's time, not the wait for it
         session.messages += 1
         session.computes += 1
@@ -277,6 +287,9 @@ class StageEngine:
         """
         assert session.sampler is not None, "only the last stage answers"
         rows = session.sampler.answer(message, out)
+        scored: tuple[tuple[Any, ...], ...] = ((), (), ())
+        if isinstance(message, _proto.Prefill) and session.sampler.scores_prompt:
+            scored = session.sampler.take_prompt_scores()
         return _proto.Predictions(
             request_id=message.request_id,
             window_id=message.window_id if isinstance(message, _proto.Verify) else 0,
@@ -286,6 +299,9 @@ class StageEngine:
             logprobs=rows.logprobs,
             top_ids=rows.top_ids,
             top_logprobs=rows.top_logprobs,
+            prompt_logprobs=scored[0],
+            prompt_top_ids=scored[1],
+            prompt_top_logprobs=scored[2],
         )
 
     def _count_stopped(

@@ -110,6 +110,10 @@ class RowSampler:
         )
         # the draw takes the processed row: its bias is applied already
         self._draw_params = attrs.evolve(params, bias_ids=(), bias_values=())
+        # prompt scoring: each prompt token's logprobs from position 1 on, and the last row
+        # of a chunk, which predicts the next chunk's first token
+        self.prompt_scores: list[tuple[float, list[int], list[float]]] = []
+        self._pending: tuple[int, np.ndarray[Any, Any]] | None = None
 
     def __repr__(self) -> str:
         return f"<RowSampler history={len(self.history)} prompt={self.prompt_len}>"
@@ -151,6 +155,40 @@ class RowSampler:
         del self.history[position:]
 
     # -- the rows -----------------------------------------------------------------------------
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request asked for its prompt tokens' log-probabilities."""
+        return self.params.prompt_logprobs >= 0
+
+    def score(self, message: _proto.ActivationMessage, out: np.ndarray[Any, Any]) -> None:
+        """Score the prompt tokens that ``out`` (every row of a prefill chunk) predicts.
+
+        Row *i* predicts the token at ``message.position + i + 1``; a chunk's last row
+        predicts the next chunk's first token, and is kept until that chunk comes.
+        """
+        top, history = self.params.prompt_logprobs, self.history
+        if self._pending is not None and self._pending[0] < len(history):
+            position, row = self._pending
+            self.prompt_scores.append(row_logprobs(row, history[position], top))
+            self._pending = None
+        for i, row in enumerate(out):
+            position = message.position + i + 1
+            if position >= self.prompt_len:
+                break
+            if position >= len(history):
+                self._pending = (position, row.copy())
+                break
+            self.prompt_scores.append(row_logprobs(row, history[position], top))
+
+    def take_prompt_scores(self) -> tuple[tuple[float, ...], tuple[int, ...], tuple[float, ...]]:
+        """The prompt scores so far, as `_proto.Predictions` carries them (then forgotten)."""
+        scores, self.prompt_scores = self.prompt_scores, []
+        return (
+            tuple(mine for mine, _, _ in scores),
+            tuple(i for _, ids, _ in scores for i in ids),
+            tuple(v for _, _, values in scores for v in values),
+        )
 
     def answer(self, message: _proto.ActivationMessage, out: np.ndarray[Any, Any]) -> Rows:
         """The token after each row of ``out``, the logits of the message's last rows."""

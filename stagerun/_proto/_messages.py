@@ -43,7 +43,12 @@ from ._fields import (
     _is_bool,
     _show,
 )
-from ._sampling_params import MAX_TOP_LOGPROBS, SamplingParams, _as_floats
+from ._sampling_params import (
+    MAX_PROMPT_TOP_LOGPROBS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    _as_floats,
+)
 
 PROTOCOL_VERSION: Final = 5
 
@@ -284,6 +289,31 @@ class Predictions:
     logprobs: tuple[float, ...] = attrs.field(default=(), converter=_as_floats)
     top_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple, validator=_MAYBE_TOKENS)
     top_logprobs: tuple[float, ...] = attrs.field(default=(), converter=_as_floats)
+    prompt_logprobs: tuple[float, ...] = attrs.field(default=(), converter=_as_floats)
+    prompt_top_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=_as_tuple, validator=_MAYBE_TOKENS
+    )
+    prompt_top_logprobs: tuple[float, ...] = attrs.field(default=(), converter=_as_floats)
+
+    @prompt_logprobs.validator
+    def _check_prompt(self, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        _check_logprob_rows(self, attribute, value, len(value) if type(value) is tuple else 0)
+        if len(value) > MAX_TOKENS_PER_MESSAGE:  # type: ignore[arg-type]
+            raise ValueError("Predictions.prompt_logprobs holds more than a message's tokens.")
+
+    @prompt_top_logprobs.validator
+    def _check_prompt_top(self, attribute: "attrs.Attribute[Any]", value: object) -> None:
+        _check_logprob_rows(self, attribute, value, len(self.prompt_top_ids))
+        rows = len(self.prompt_logprobs)
+        if self.prompt_top_ids and (
+            not rows
+            or len(self.prompt_top_ids) % rows
+            or len(self.prompt_top_ids) > MAX_PROMPT_TOP_LOGPROBS * rows
+        ):
+            raise ValueError(
+                f"Predictions.prompt_top_ids must hold the same number of ids (at most "
+                f"{MAX_PROMPT_TOP_LOGPROBS}) for each of the {rows} prompt tokens."
+            )
 
     @logprobs.validator
     def _check_logprobs(self, attribute: "attrs.Attribute[Any]", value: object) -> None:

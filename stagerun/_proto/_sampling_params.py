@@ -28,6 +28,7 @@ MAX_TOP_LOGPROBS: Final = 20  # alternatives per token (OpenAI's limit)
 MAX_PENALTY: Final = 2.0  # OpenAI's range for presence and frequency penalties, -2..2
 MAX_REPETITION_PENALTY: Final = 100.0
 MAX_GRAMMAR_CHARS: Final = 128 * 1024  # a grammar's text, in llguidance's form
+MAX_PROMPT_TOP_LOGPROBS: Final = 20  # alternatives per prompt token scored
 
 
 def _as_floats(value: Any) -> Any:
@@ -58,6 +59,9 @@ class SamplingParams:
         repetition_penalty: the multiplicative penalty (> 0; 1 is off) on every token of the
             last ``repetition_last_n`` tokens of the context, prompt included (0: all of it):
             a positive logit is divided by it, a negative one multiplied.
+        prompt_logprobs: -1 scores nothing; 0..20 has the last stage report each prompt
+            token's raw log-probability after the tokens before it, with that many most
+            likely alternatives (the reply to the prefill carries them).
         grammar: constrains the generated text (empty: none), in llguidance's grammar form;
             the last stage masks every token it does not allow.
     """
@@ -82,6 +86,7 @@ class SamplingParams:
         default=1.0, converter=_as_float, validator=_finite_float
     )
     repetition_last_n: int = attrs.field(default=0, validator=_int_in(_TOKEN_LIMIT))
+    prompt_logprobs: int = attrs.field(default=-1)
     grammar: str = attrs.field(
         default="", validator=_bounded_str(MAX_GRAMMAR_CHARS), repr=lambda g: repr(g[:60])
     )
@@ -99,6 +104,14 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.logprobs must be an int in [-1, {MAX_TOP_LOGPROBS}], "
                 f"got {_show(value)}."
+            )
+
+    @prompt_logprobs.validator
+    def _check_prompt_logprobs(self, attribute: "attrs.Attribute[int]", value: object) -> None:
+        if type(value) is not int or not -1 <= value <= MAX_PROMPT_TOP_LOGPROBS:
+            raise ValueError(
+                f"SamplingParams.prompt_logprobs must be an int in [-1, "
+                f"{MAX_PROMPT_TOP_LOGPROBS}], got {_show(value)}."
             )
 
     @presence_penalty.validator

@@ -15,6 +15,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from .._engine import GrammarError
+from .._proto import SamplingParams
+from .._proto._sampling_params import MAX_PROMPT_TOP_LOGPROBS
 from ._admission import Ticket, prompt_char_limit
 from ._api_values import invalid
 from ._config import DEFAULT_COMPLETION_MAX_TOKENS
@@ -28,9 +30,9 @@ from ._openai import (
     parse_json_body,
     too_long,
 )
-from ._responses import ResponseShape
+from ._responses import Choice, ResponseShape
 from ._state import ServerState, server_state
-from ._tools import render_messages, tool_format, tool_grammar
+from ._tools import ToolFormat, render_messages, tool_format, tool_grammar
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -67,7 +69,9 @@ async def chat_completions(request: Request) -> Response:
     return await _generation(request, "chat")
 
 
-async def _prompt_ids(state: ServerState, req: GenerationRequest) -> tuple[list[int], str]:
+async def _prompt_ids(
+    state: ServerState, req: GenerationRequest, prompt: str | tuple[int, ...]
+) -> tuple[list[int], str]:
     """The prompt's token ids, and the request field they came from.
 
     Token ids are checked against the vocabulary here. Text is bounded by characters first
@@ -76,7 +80,6 @@ async def _prompt_ids(state: ServerState, req: GenerationRequest) -> tuple[list[
     neither a long prompt nor a slow chat template holds up the event loop.
     """
     pipeline = state.pipeline
-    prompt = req.prompt
     if isinstance(prompt, tuple):
         vocab = pipeline.config.vocab_size
         for i, token in enumerate(prompt):
@@ -117,33 +120,36 @@ async def _generation(request: Request, kind: Kind) -> Response:
     context = state.pipeline.config.context_length
     req = parse_generation_request(parse_json_body(body), kind, context_length=context)
     state.check_model(req.model)
-    prompt_ids, param = await _prompt_ids(state, req)
-    if not prompt_ids:
-        raise ApiError(400, "the prompt is empty after tokenization: give some text", param=param)
-    if len(prompt_ids) >= context:
-        raise too_long(len(prompt_ids), "tokens", context, param)
-    room = min(context - len(prompt_ids), state.http.max_tokens_limit)
+    prompts = []
+    for prompt in req.prompts or (req.prompt,):
+        prompt_ids, param = await _prompt_ids(state, req, prompt)
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty after tokenization: give some text",
+                           param=param)  # fmt: skip
+        if len(prompt_ids) >= context:
+            raise too_long(len(prompt_ids), "tokens", context, param)
+        prompts.append((prompt, prompt_ids))
+    longest = max(len(ids) for _, ids in prompts)
+    room = min(context - longest, state.http.max_tokens_limit)
     if req.max_tokens is not None:
         max_tokens = min(req.max_tokens, room)
     elif kind == "completion":
         max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     else:
         max_tokens = min(state.http.max_tokens_default, room)
-    vocab = state.pipeline.config.vocab_size
-    for token, _ in req.knobs.logit_bias:
-        if token >= vocab:
-            raise ApiError(400, f"'logit_bias' names token {token}, outside the vocabulary "
-                           f"(0..{vocab - 1})", param="logit_bias")  # fmt: skip
-    sampling = req.knobs.sampling_params(secrets.randbits(63) if req.seed is None else req.seed)
-    constraint, fmt = req.constraint, None
-    if req.tools is not None:
-        fmt = tool_format(state.pipeline.effective_chat_template)
-        grammar = tool_grammar(req.tools, fmt)
-        constraint = None if grammar is None else Constraint("tools", grammar)
-    if constraint is not None:
-        await check_constraint(state, constraint)
-        sampling = attrs.evolve(sampling, grammar=constraint.grammar)
-    ticket = _admit(state, len(prompt_ids), max_tokens)
+    sampling, fmt = await _sampling(state, req, longest)
+    choices = []
+    for k, (prompt, prompt_ids) in enumerate(prompts):
+        echo = None
+        if req.echo:
+            echo = (
+                prompt if isinstance(prompt, str) else state.pipeline.tokenizer.decode(prompt_ids)
+            )
+        for j in range(req.n):  # each choice its own seed, derived from the request's
+            seed = (sampling.seed + j * _SEED_STEP) % 2**64
+            choice_sampling = attrs.evolve(sampling, seed=seed)
+            choices.append(Choice(k * req.n + j, prompt_ids, choice_sampling, echo))
+    ticket = _admit(state, longest, max_tokens)
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     shape = ResponseShape(
         req,
@@ -155,12 +161,48 @@ async def _generation(request: Request, kind: Kind) -> Response:
     return GenerationResponse(
         state,
         shape,
-        prompt_ids,
+        choices,
         max_tokens=max_tokens,
-        sampling=sampling,
         ticket=ticket,
         label=request.scope.get("stagerun.request_id"),
     )
+
+
+_SEED_STEP = 0x9E3779B97F4A7C15  # choice j's seed is the request's plus j of these (mod 2**64)
+# A scored prompt's logprobs travel in one reply header (1 MiB): about 9 bytes per logprob
+# and 14 per alternative, kept well under it.
+MAX_SCORED_BYTES = 900_000
+
+
+async def _sampling(
+    state: ServerState, req: GenerationRequest, longest: int
+) -> tuple[SamplingParams, ToolFormat | None]:
+    """The request's sampling settings (grammar included), and its tool format if any."""
+    vocab = state.pipeline.config.vocab_size
+    for token, _ in req.knobs.logit_bias:
+        if token >= vocab:
+            raise ApiError(400, f"'logit_bias' names token {token}, outside the vocabulary "
+                           f"(0..{vocab - 1})", param="logit_bias")  # fmt: skip
+    sampling = req.knobs.sampling_params(secrets.randbits(63) if req.seed is None else req.seed)
+    if req.echo:  # the prompt's logprobs, when asked for (a prompt is always run)
+        top = max(req.knobs.logprobs, 0)
+        if top > MAX_PROMPT_TOP_LOGPROBS:
+            raise ApiError(400, f"with 'echo', 'logprobs' is at most {MAX_PROMPT_TOP_LOGPROBS}",
+                           param="logprobs")  # fmt: skip
+        if longest * (9 + 14 * top) > MAX_SCORED_BYTES:
+            fits = MAX_SCORED_BYTES // (9 + 14 * top)
+            raise ApiError(400, f"'echo' with 'logprobs' {top} scores prompts of at most {fits} "
+                           f"tokens; this one has {longest}", param="prompt")  # fmt: skip
+        sampling = attrs.evolve(sampling, prompt_logprobs=top)
+    constraint, fmt = req.constraint, None
+    if req.tools is not None:
+        fmt = tool_format(state.pipeline.effective_chat_template)
+        grammar = tool_grammar(req.tools, fmt)
+        constraint = None if grammar is None else Constraint("tools", grammar)
+    if constraint is not None:
+        await check_constraint(state, constraint)
+        sampling = attrs.evolve(sampling, grammar=constraint.grammar)
+    return sampling, fmt
 
 
 def _admit(state: ServerState, prompt_tokens: int, max_tokens: int) -> Ticket:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._api_values import Kind as Kind
-from ._api_values import invalid, optional_int
+from ._api_values import invalid
 from ._grammars import CONSTRAINT_FIELDS
 
 __all__ = [
@@ -46,7 +46,6 @@ _UNSUPPORTED_IN_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((None, []), "tools are for /v1/chat/completions; leave 'tools' out"),
     "tool_choice": ((None, "none", "auto"), "tools are for /v1/chat/completions"),
     "parallel_tool_calls": ((None, True, False), "send true or false"),
-    "echo": ((None, False), "echo is not supported; leave it out"),
     "suffix": ((None, ""), "suffix is not supported; leave it out"),
     "best_of": ((None, 1), "only best_of=1 is supported"),
 }
@@ -61,7 +60,7 @@ _CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "too
               "parallel_tool_calls")  # fmt: skip
 HONOURED_FIELDS: dict[Kind, frozenset[str]] = {
     "chat": frozenset({*_COMMON, *_CHAT_ONLY}),
-    "completion": frozenset({*_COMMON, "prompt"}),
+    "completion": frozenset({*_COMMON, "prompt", "echo"}),
 }
 _NEUTRAL = tuple(_UNSUPPORTED)
 # Fields taken only with the value that asks for nothing (see the tables above).
@@ -111,7 +110,4 @@ def check_fields(data: Mapping[str, Any], kind: Kind) -> None:
     _check_names(data, kind)
     if kind == "completion":
         _refuse_unsupported(data, _UNSUPPORTED_IN_COMPLETIONS)
-    n = optional_int(data, "n", minimum=1)
-    if n not in (None, 1):
-        raise invalid(f"only n=1 is supported, got n={n}: send one request per choice", "n")
     _refuse_unsupported(data, _UNSUPPORTED)

@@ -41,10 +41,9 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .._driver._values import Completion, TokenLogprob
 from .._errors import LaneError, LaneTimeoutError, StageError, StageGivenUpError, StagerunError
-from .._proto import SamplingParams
 from ._admission import Ticket
 from ._openai import ApiError
-from ._responses import DONE_EVENT, ResponseShape, sse_event
+from ._responses import DONE_EVENT, Choice, ResponseShape, echo_entries, entries, sse_event
 
 if TYPE_CHECKING:
     from ._state import ServerState
@@ -123,10 +122,9 @@ class GenerationResponse(Response):
         self,
         state: ServerState,
         shape: ResponseShape,
-        prompt_ids: list[int],
+        choices: list[Choice],
         *,
         max_tokens: int,
-        sampling: SamplingParams,
         ticket: Ticket,
         label: str | None = None,
     ) -> None:
@@ -134,9 +132,8 @@ class GenerationResponse(Response):
         self.label = label  # the HTTP request id, for the request's telemetry
         self.state = state
         self.shape = shape
-        self.prompt_ids = prompt_ids
+        self.choices = choices
         self.max_tokens = max_tokens
-        self.sampling = sampling
         self.ticket = ticket
         self._started = False
         self._finished = False
@@ -196,14 +193,15 @@ class GenerationResponse(Response):
             self.state.metrics.disconnects += 1
             scope.cancel(reason=f"client of {self.shape.id} disconnected")
 
-    async def _run(self, on_text: OnText | None) -> Completion:
-        await self.ticket.wait()
+    async def _run(self, choice: Choice, on_text: OnText | None) -> Completion:
+        """Generate ``choice``; the ticket is released after the last choice's generation."""
+        await self.ticket.wait()  # at once once admitted
         pending: list[TokenLogprob] = []  # of tokens whose text has not shown yet
         try:
             async with self.state.pipeline.generate(
-                self.prompt_ids,
+                choice.prompt_ids,
                 max_tokens=self.max_tokens,
-                sampling=self.sampling,
+                sampling=choice.sampling,
                 stop=self.shape.request.stop,
                 label=self.label,
                 cache_salt=self.shape.request.cache_salt,
@@ -215,7 +213,8 @@ class GenerationResponse(Response):
                         await on_text(chunk.text, pending)
                         pending = []
         finally:
-            self.ticket.release()  # the lane is back in the pool: let the next one run
+            if choice is self.choices[-1]:
+                self.ticket.release()  # the lane is back in the pool: let the next one run
         assert stream.result is not None
         self._unshown = pending
         result = stream.result
@@ -223,11 +222,11 @@ class GenerationResponse(Response):
         self.state.metrics.observe_timings(result.timings)
         return result
 
-    async def _generate(self, on_text: OnText | None) -> Completion | ApiError:
+    async def _generate(self, choice: Choice, on_text: OnText | None) -> Completion | ApiError:
         """The completion, or the error to answer with; within the request's deadline."""
         with trio.move_on_at(self._deadline):
             try:
-                return await self._run(on_text)
+                return await self._run(choice, on_text)
             except ClientTooSlowError:
                 raise
             except Exception as exc:
@@ -249,55 +248,81 @@ class GenerationResponse(Response):
             await self._deliver(message)
 
     async def _whole(self) -> None:
-        result = await self._generate(None)
-        if isinstance(result, ApiError):
-            await self._send_error(result)
-            return
+        answers = []
+        for choice in self.choices:  # one after another: later ones restore the prompt
+            result = await self._generate(choice, None)
+            if isinstance(result, ApiError):
+                await self._send_error(result)
+                return
+            answers.append((choice, result))
         self._finished = True
-        for message in json_message(200, self.shape.final(result), JSON_HEADERS):
+        for message in json_message(200, self.shape.final(answers), JSON_HEADERS):
             await self._deliver(message)
 
     async def _stream(self) -> None:
-        first = self.shape.first_chunk()
+        started = False
 
         async def event(payload: dict[str, Any], *, more: bool = True) -> None:
-            nonlocal first
-            if not self._started:
-                self._started = True
+            nonlocal started
+            if not started:
+                started = self._started = True
                 await self._deliver(
                     {"type": "http.response.start", "status": 200, "headers": SSE_HEADERS}
                 )
-            if first is not None:
-                opening, first = first, None
-                await event(opening)
             await self._deliver(
                 {"type": "http.response.body", "body": sse_event(payload), "more_body": more}
             )
 
+        results = []
+        for choice in self.choices:
+            result = await self._stream_choice(choice, event)
+            if result is None:
+                return
+            results.append(result)
+        if self.shape.request.include_usage:
+            await event(self.shape.usage_chunk(results))
+        self._finished = True
+        await self._deliver({"type": "http.response.body", "body": DONE_EVENT, "more_body": False})
+
+    async def _stream_choice(
+        self, choice: Choice, event: Callable[..., Awaitable[None]]
+    ) -> Completion | None:
+        """Stream one choice's chunks; None when it failed (the error was sent)."""
+        shape, index = self.shape, choice.index
+        opening = shape.first_chunk(index)
         offset = 0  # of the chunk's first token in the completion's text (completions')
+        if choice.echo is not None:
+            opening = shape.text_chunk(choice.echo, index=index)
+            offset = len(choice.echo)
 
         async def on_text(text: str, logprobs: list[TokenLogprob]) -> None:
-            nonlocal offset
-            wanted = logprobs if self.sampling.logprobs >= 0 else None
-            await event(self.shape.text_chunk(text, wanted, offset))
-            offset += self.shape.spelled_length(logprobs)
+            nonlocal offset, opening
+            if opening is not None:
+                await event(opening)
+                opening = None
+            wanted = entries(logprobs) if choice.sampling.logprobs >= 0 else None
+            await event(shape.text_chunk(text, wanted, offset, index=index))
+            offset += shape.spelled_length(entries(logprobs) or [])
 
-        result = await self._generate(None if self.shape.holds_text else on_text)
+        result = await self._generate(choice, None if shape.holds_text else on_text)
         if isinstance(result, ApiError):
             if not self._started:
                 await self._send_error(result)
             else:
                 self._finished = True
                 await event(result.envelope(), more=False)
-            return
+            return None
+        if opening is not None:
+            await event(opening)
         finish: str = result.finish_reason
-        if self.shape.holds_text:  # the tool calls are parsed from the whole answer
-            chunks, finish = self.shape.held_chunks(result)
+        unshown = entries(self._unshown) or []
+        if shape.holds_text:  # the tool calls are parsed from the whole answer
+            chunks, finish = shape.held_chunks(result, index)
             for chunk in chunks:
                 await event(chunk)
-            self._unshown = []
-        await event(self.shape.finish_chunk(finish, self._unshown, offset))
-        if self.shape.request.include_usage:
-            await event(self.shape.usage_chunk(result))
-        self._finished = True
-        await self._deliver({"type": "http.response.body", "body": DONE_EVENT, "more_body": False})
+            unshown = []
+        if choice.echo is not None and choice.sampling.logprobs >= 0:
+            # the prompt's logprobs come once it was scored: in a chunk of their own, at the end
+            await event(shape.text_chunk("", echo_entries(choice, result), 0, index=index))
+        await event(shape.finish_chunk(finish, unshown, offset, index=index))
+        return result

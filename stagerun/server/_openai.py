@@ -44,6 +44,8 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 # text that might begin a stop string is held back from the stream, so this bounds the delay.
 MAX_STOP_CHARS = 1024
 _SEED_MODULUS = 2**64
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts in one completions request
 _ROLES: dict[str, ChatRole] = {
     "system": "system",
     "developer": "system",
@@ -94,6 +96,9 @@ class GenerationRequest:
     knobs: Knobs = attrs.field(factory=Knobs)
     constraint: Constraint | None = None  # structured output: the grammar it asks for
     tools: Tools | None = None  # chat: the functions it may (or must) call
+    prompts: tuple[str | tuple[int, ...], ...] = ()  # completions: every prompt (``prompt``)
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt comes back before each answer
 
 
 def parse_json_body(body: bytes) -> dict[str, Any]:
@@ -133,6 +138,11 @@ def parse_generation_request(
             message), could never fit, and is refused before its items are checked.
     """
     check_fields(data, kind)
+    prompts: tuple[str | tuple[int, ...], ...] = ()
+    echo = False
+    n = optional_int(data, "n", minimum=1) or 1
+    if n > MAX_N:
+        raise invalid(f"'n' must be at most {MAX_N}, got {n}", "n")
     model = required(data, "model")
     if not isinstance(model, str) or not model:
         raise invalid(f"'model' must be a non-empty string, not {json_type(model)}", "model")
@@ -144,8 +154,12 @@ def parse_generation_request(
         if max_tokens is None:
             max_tokens = optional_int(data, "max_tokens", minimum=1)
     else:
-        prompt = _prompt(required(data, "prompt"), context_length)
-        max_tokens = optional_int(data, "max_tokens", minimum=1)
+        prompts = _prompts(required(data, "prompt"), context_length)
+        prompt = prompts[0]
+        max_tokens = optional_int(data, "max_tokens", minimum=0)
+        echo = bool(optional_bool(data, "echo"))
+        if max_tokens == 0 and not echo:
+            raise invalid("'max_tokens' 0 asks for nothing: send echo, or at least 1", "max_tokens")
     knobs = parse_knobs(data, kind)
     constraint = parse_constraint(data)
     tools = parse_tools(data) if kind == "chat" else None
@@ -171,6 +185,9 @@ def parse_generation_request(
         knobs=knobs,
         constraint=constraint,
         tools=tools,
+        prompts=prompts,
+        n=n,
+        echo=echo,
     )
 
 
@@ -238,6 +255,15 @@ def token_ids(value: list[Any], param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _prompts(value: Any, context: int | None) -> tuple[str | tuple[int, ...], ...]:
+    """Completions' ``prompt``: a string, token ids, or an array of either (a batch)."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(x, str | list) for x in value):
+        if len(value) > MAX_PROMPTS:
+            raise invalid(f"'prompt' holds {len(value)} prompts; at most {MAX_PROMPTS}", "prompt")
+        return tuple(_prompt(item, context) for item in value)
+    return (_prompt(value, context),)
+
+
 def _prompt(value: Any, context: int | None) -> str | tuple[int, ...]:
     if isinstance(value, str):
         if not value:
@@ -246,11 +272,6 @@ def _prompt(value: Any, context: int | None) -> str | tuple[int, ...]:
     if isinstance(value, list):
         if len(value) == 1 and isinstance(value[0], str | list):
             return _prompt(value[0], context)
-        if value and all(isinstance(x, str) for x in value):
-            raise invalid(
-                f"'prompt' holds {len(value)} prompts but only one per request is supported",
-                "prompt",
-            )
         if not value:
             raise invalid("'prompt' is empty: give some text", "prompt")
         if context is not None and len(value) >= context:

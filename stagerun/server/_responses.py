@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from .._driver._values import Completion, TokenLogprob
+from .._proto import SamplingParams
 from ._openai import GenerationRequest
 from ._tools import ToolFormat, parse_tool_output
 
@@ -48,16 +49,59 @@ def timings_json(timings: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def usage_json(result: Completion) -> dict[str, Any]:
-    """OpenAI's ``usage``, with the prompt tokens restored from the prefix cache where clients
-    read them (``prompt_tokens_details.cached_tokens``)."""
-    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+def usage_json(results: Sequence[Completion]) -> dict[str, Any]:
+    """OpenAI's ``usage`` over a request's choices, with the prompt tokens restored from the
+    prefix cache where clients read them (``prompt_tokens_details.cached_tokens``).
+
+    Each distinct prompt counts once (``n`` choices of one prompt share it).
+    """
+    seen: set[tuple[int, ...]] = set()
+    prompt = cached = 0
+    for result in results:
+        key = tuple(result.prompt_token_ids)
+        if key not in seen:
+            seen.add(key)
+            prompt += len(key)
+            cached += result.timings.prefill.prefix_cached_tokens
+    completion = sum(len(r.token_ids) for r in results)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": result.timings.prefill.prefix_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+@attrs.frozen
+class Choice:
+    """One answer a request asks for: its prompt and settings, and where it goes.
+
+    ``echo`` is the prompt's text, for a completion that echoes it before its answer.
+    """
+
+    index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    echo: str | None = None
+
+
+Entry = tuple[int, float | None, tuple[tuple[int, float], ...] | None]
+"""A token's logprobs as an answer shows them: id, logprob and top ones (None: unscored)."""
+
+
+def entries(logprobs: Sequence[TokenLogprob] | None) -> list[Entry] | None:
+    """Generated tokens' logprobs as `Entry` values (None when not asked for)."""
+    if logprobs is None:
+        return None
+    return [(e.token_id, e.logprob, e.top) for e in logprobs]
+
+
+def echo_entries(choice: Choice, result: Completion) -> list[Entry]:
+    """The prompt's tokens' logprobs (the first is unscored), for an echoing completion."""
+    scored = result.prompt_logprobs or []
+    out: list[Entry] = [(choice.prompt_ids[0], None, None)]
+    out.extend((e.token_id, e.logprob, e.top) for e in scored[1:] if e is not None)
+    return out
 
 
 def _no_bytes(token_id: int) -> bytes:
@@ -98,44 +142,49 @@ class ResponseShape:
         raw = self.token_bytes(token_id)
         return raw.decode("utf-8", errors="replace"), list(raw)
 
-    def spelled_length(self, entries: Sequence[TokenLogprob]) -> int:
-        """The characters of ``entries``' tokens, as `logprobs_json` spells them."""
-        return sum(len(self._spelled(entry.token_id)[0]) for entry in entries)
+    def spelled_length(self, items: Sequence[Entry]) -> int:
+        """The characters of ``items``' tokens, as `logprobs_json` spells them."""
+        return sum(len(self._spelled(token)[0]) for token, _, _ in items)
 
     def logprobs_json(
-        self, entries: Sequence[TokenLogprob] | None, offset: int = 0
+        self, items: Sequence[Entry] | None, offset: int = 0
     ) -> dict[str, Any] | None:
-        """``logprobs`` of a choice (or a chunk) for ``entries``: chat's or completions' shape.
+        """``logprobs`` of a choice (or a chunk) for ``items``: chat's or completions' shape.
 
         ``offset`` is where the first token's text starts in the completion's text.
         """
-        if entries is None:
+        if items is None:
             return None
         if self.chat:
-            return {"content": [self._chat_entry(entry) for entry in entries], "refusal": None}
-        tokens, offsets, tops = [], [], []
-        for entry in entries:
-            text, _ = self._spelled(entry.token_id)
+            return {"content": [self._chat_entry(item) for item in items], "refusal": None}
+        tokens, offsets = [], []
+        tops: list[dict[str, float | None] | None] = []
+        for token, logprob, top in items:
+            text, _ = self._spelled(token)
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-            top = {self._spelled(token)[0]: logprob for token, logprob in entry.top}
-            top.setdefault(text, entry.logprob)  # the chosen token's too, as OpenAI's
-            tops.append(top)
+            if top is None:
+                tops.append(None)
+                continue
+            shown: dict[str, float | None] = {self._spelled(t)[0]: value for t, value in top}
+            shown.setdefault(text, logprob)  # the chosen token's too, as OpenAI's
+            tops.append(shown)
         return {
             "tokens": tokens,
-            "token_logprobs": [entry.logprob for entry in entries],
+            "token_logprobs": [logprob for _, logprob, _ in items],
             "top_logprobs": tops,
             "text_offset": offsets,
         }
 
-    def _chat_entry(self, entry: TokenLogprob) -> dict[str, Any]:
-        text, raw = self._spelled(entry.token_id)
-        top = []
-        for token, logprob in entry.top:
-            top_text, top_raw = self._spelled(token)
-            top.append({"token": top_text, "logprob": logprob, "bytes": top_raw})
-        return {"token": text, "logprob": entry.logprob, "bytes": raw, "top_logprobs": top}
+    def _chat_entry(self, item: Entry) -> dict[str, Any]:
+        token, logprob, top = item
+        text, raw = self._spelled(token)
+        shown = []
+        for other, value in top or ():
+            top_text, top_raw = self._spelled(other)
+            shown.append({"token": top_text, "logprob": value, "bytes": top_raw})
+        return {"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": shown}
 
     @property
     def chat(self) -> bool:
@@ -144,21 +193,30 @@ class ResponseShape:
     def _base(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def final(self, result: Completion) -> dict[str, Any]:
-        """The whole non-streaming answer."""
-        choice: dict[str, Any] = {"index": 0}
-        finish: str = result.finish_reason
-        if self.chat:
-            choice["message"], finish = self.message(result)
-        else:
-            choice["text"] = result.text
-        choice["logprobs"] = self.logprobs_json(result.logprobs)
-        choice["finish_reason"] = finish
+    def final(self, answers: Sequence[tuple[Choice, Completion]]) -> dict[str, Any]:
+        """The whole non-streaming answer, one choice per answer."""
         body = self._base("chat.completion" if self.chat else "text_completion")
-        body["choices"] = [choice]
-        body["usage"] = usage_json(result)
-        body["timings"] = timings_json(result.timings)
+        body["choices"] = [self._choice(choice, result) for choice, result in answers]
+        results = [result for _, result in answers]
+        body["usage"] = usage_json(results)
+        body["timings"] = timings_json(results[0].timings)
         return body
+
+    def _choice(self, choice: Choice, result: Completion) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": choice.index}
+        finish: str = result.finish_reason
+        items = entries(result.logprobs)
+        if self.chat:
+            out["message"], finish = self.message(result)
+        elif choice.echo is not None:
+            out["text"] = choice.echo + result.text
+            if items is not None:
+                items = echo_entries(choice, result) + items
+        else:
+            out["text"] = result.text
+        out["logprobs"] = self.logprobs_json(items)
+        out["finish_reason"] = finish
+        return out
 
     def _chunk(self, choice: dict[str, Any] | None) -> dict[str, Any]:
         body = self._base("chat.completion.chunk" if self.chat else "text_completion")
@@ -167,18 +225,25 @@ class ResponseShape:
             body["usage"] = None
         return body
 
-    def first_chunk(self) -> dict[str, Any] | None:
+    def first_chunk(self, index: int = 0) -> dict[str, Any] | None:
         """The chat stream's opening chunk (``role: assistant``); None for completions."""
         if not self.chat:
             return None
         delta = {"role": "assistant", "content": ""}
-        return self._chunk({"index": 0, "delta": delta, "logprobs": None, "finish_reason": None})
+        return self._chunk(
+            {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        )
 
     def text_chunk(
-        self, text: str, logprobs: Sequence[TokenLogprob] | None = None, offset: int = 0
+        self,
+        text: str,
+        logprobs: Sequence[Entry] | None = None,
+        offset: int = 0,
+        *,
+        index: int = 0,
     ) -> dict[str, Any]:
         """A chunk of ``text``, with the ``logprobs`` of the tokens it completes."""
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {"content": text}
         else:
@@ -188,10 +253,15 @@ class ResponseShape:
         return self._chunk(choice)
 
     def finish_chunk(
-        self, finish_reason: str, logprobs: Sequence[TokenLogprob] | None = None, offset: int = 0
+        self,
+        finish_reason: str,
+        logprobs: Sequence[Entry] | None = None,
+        offset: int = 0,
+        *,
+        index: int = 0,
     ) -> dict[str, Any]:
         """The chunk that ends the choice (with the logprobs of tokens no text showed yet)."""
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             choice["delta"] = {}
         else:
@@ -200,20 +270,22 @@ class ResponseShape:
         choice["finish_reason"] = finish_reason
         return self._chunk(choice)
 
-    def held_chunks(self, result: Completion) -> tuple[list[dict[str, Any]], str]:
+    def held_chunks(self, result: Completion, index: int = 0) -> tuple[list[dict[str, Any]], str]:
         """A held-back stream's content and ``tool_calls`` deltas, and its finish reason."""
         message, finish = self.message(result)
         chunks = []
         if message["content"]:
-            chunks.append(self.text_chunk(message["content"], result.logprobs))
-        for index, call in enumerate(message.get("tool_calls", [])):
-            delta = {"tool_calls": [{"index": index, **call}]}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+            chunks.append(
+                self.text_chunk(message["content"], entries(result.logprobs), index=index)
+            )
+        for number, call in enumerate(message.get("tool_calls", [])):
+            delta = {"tool_calls": [{"index": number, **call}]}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
             chunks.append(self._chunk(choice))
         return chunks, finish
 
-    def usage_chunk(self, result: Completion) -> dict[str, Any]:
+    def usage_chunk(self, results: Sequence[Completion]) -> dict[str, Any]:
         body = self._chunk(None)
-        body["usage"] = usage_json(result)
-        body["timings"] = timings_json(result.timings)
+        body["usage"] = usage_json(results)
+        body["timings"] = timings_json(results[0].timings)
         return body
