@@ -45,6 +45,7 @@ from ._errors import LaneTimeoutError as LaneTimeoutError
 from ._errors import LayerRangeError as LayerRangeError
 from ._errors import ModelError as ModelError
 from ._errors import ModelNotFoundError as ModelNotFoundError
+from ._errors import PipelineClosedError as PipelineClosedError
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RecoveryFailedError as RecoveryFailedError
 from ._errors import StageError as StageError
@@ -71,6 +72,7 @@ __all__ = [
     "ModelError",
     "ModelNotFoundError",
     "Pipeline",
+    "PipelineClosedError",
     "PipelineConfig",
     "PipelinePlan",
     "ProtocolError",

@@ -59,6 +59,10 @@ class StageError(StagerunError):
     """A stage reported that it could not carry out a request."""
 
 
+class PipelineClosedError(StagerunError):
+    """The pipeline was closed, or is used from a Trio run other than the one that opened it."""
+
+
 class ComputeCancelled(StagerunError):
     """A compute was stopped at a layer boundary because its work went stale."""
 

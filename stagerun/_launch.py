@@ -148,6 +148,7 @@ async def open_pipeline(
             try:
                 yield pipeline
             finally:
+                pipeline.closed = True  # what runs on it from now on is refused at once
                 if pool is not None:
                     with trio.CancelScope(shield=True):
                         await pool.aclose()

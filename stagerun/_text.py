@@ -61,7 +61,9 @@ class _StopMatcher:
 class TextAssembler:
     """Accumulates generated text and applies stop strings with hold-back."""
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: str | Sequence[str] = ()) -> None:
+        if isinstance(stop, str):  # one stop string, not its characters
+            stop = (stop,)
         self.stop = tuple(s for s in stop if s)
         self.stopped = False
         self._matchers = [_StopMatcher(s) for s in self.stop]

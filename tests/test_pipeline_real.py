@@ -50,3 +50,14 @@ async def test_chat_prompt_and_seeded_sampling() -> None:
             results.append(result.token_ids)
     assert results[0] == results[1]
     assert results[0]
+
+
+async def test_stop_given_as_one_string_is_that_string() -> None:
+    prompt = "Count: one, two, three,"
+    async with open_pipeline("smollm2") as pipeline:
+        whole = await pipeline.complete(prompt, max_tokens=16)
+        assert " five" in whole.text  # so the stop string is met, after spaces and an 'f'
+        as_string = await pipeline.complete(prompt, max_tokens=16, stop="five")
+        as_list = await pipeline.complete(prompt, max_tokens=16, stop=["five"])
+    assert as_string.text == as_list.text == whole.text[: whole.text.index("five")]
+    assert " four" in as_string.text  # not cut at the first space or 'f'

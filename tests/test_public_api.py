@@ -21,6 +21,7 @@ def test_public_names() -> None:
             "ModelError",
             "ModelNotFoundError",
             "Pipeline",
+            "PipelineClosedError",
             "PipelineConfig",
             "PipelinePlan",
             "ProtocolError",

@@ -142,3 +142,11 @@ def test_long_stop_strings_cost_linear_time_per_piece() -> None:
     assert b.push("b") == "" and b.stopped and b.text == "a" * (20_000 - 1023)
     elapsed_total = time.perf_counter() - started
     assert elapsed < 1.0 and elapsed_total < 2.0, (elapsed, elapsed_total)
+
+
+def test_one_stop_string_is_a_string_not_its_characters() -> None:
+    assembler = TextAssembler("five")
+    assert assembler.stop == ("five",)
+    assembler.push(" four, f")
+    assembler.push("ive, six")
+    assert assembler.stopped and assembler.text == " four, "

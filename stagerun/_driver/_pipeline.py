@@ -47,7 +47,7 @@ from .._engine import (
     StageEngine,
     TickBatcher,
 )
-from .._errors import LaneError
+from .._errors import LaneError, PipelineClosedError
 from .._util import single_exceptions
 from .._wire._connect import ENV_SECRET, alternatives, open_connection
 from ..abc import ComputeBackend, Drafter
@@ -116,6 +116,8 @@ class Pipeline:
         self.tokenizer = model.tokenizer
         self.stages = stages
         self.pool = pool
+        self.closed = False  # set when its `open_pipeline` block ends
+        self._trio_token = trio.lowlevel.current_trio_token()
         self.wire_dtype = wire_dtype
         self.prefill_policy = (
             prefill_chunk
@@ -158,11 +160,37 @@ class Pipeline:
         """Stage 0's prefix cache (its engine's), or None when it is off."""
         return self.engine.prefix_cache
 
+    def check_usable(self) -> None:
+        """Raise `PipelineClosedError` unless requests may run on this pipeline now.
+
+        A pipeline serves the Trio run that opened it, until its `open_pipeline` block ends.
+        """
+        if self.closed:
+            raise PipelineClosedError(
+                "this pipeline is closed: its `async with open_pipeline(...)` block has "
+                "ended, and its stages with it; open a new one"
+            )
+        try:
+            token = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            token = None
+        if token is not self._trio_token:
+            raise PipelineClosedError(
+                "this pipeline belongs to another trio.run: use it from the Trio run that "
+                "opened it (its lanes and stages live there), or open one in this run"
+            )
+
     async def check_health(self, timeout: float = 1.0) -> list[StageHealth]:
         """Probe every stage at once: a handshake must complete within ``timeout`` seconds.
 
-        A stage that answers is also asked for its `_proto.Status` (its prefix cache).
+        A stage that answers is also asked for its `_proto.Status` (its prefix cache). A
+        closed pipeline reports every stage ``closed``, probing nothing.
         """
+        if self.closed:
+            return [
+                StageHealth(info, "closed", error="the pipeline is closed") for info in self.stages
+            ]
+        self.check_usable()
         own = self.prefix_cache.stats() if self.prefix_cache is not None else None
         results: list[StageHealth] = [StageHealth(self.stages[0], "ready", prefix_cache=own)]
         probes: dict[str, AddressHealth] = {}
@@ -271,7 +299,7 @@ class Pipeline:
         max_tokens: int = 128,
         sampling: _proto.SamplingParams | None = None,
         chat: bool = False,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         speculation: SpeculationConfig | None = None,
         drafter: Drafter | None = None,
         label: str | None = None,
@@ -279,13 +307,15 @@ class Pipeline:
     ) -> AsyncIterator[GenerationStream]:
         """Stream a generation: ``async with p.generate(...) as s: async for chunk in s``.
 
-        Text that could be the start of a ``stop`` string is held back until it is decided;
-        a stop string ends the request cleanly and is not part of the text. Leaving the block
+        ``stop`` is a string or a list of them (as OpenAI's). Text that could be the start
+        of a stop string is held back until it is decided; a stop string ends the request
+        cleanly and is not part of the text. Leaving the block
         early cancels the request (its lane is replaced, not reused). ``label`` (the server
         passes the HTTP request id) goes into the request's telemetry summary as
         ``stagerun.request_label``. Requests share cached prefixes only with requests of the
         same ``cache_salt`` (None is a salt of its own: the pipeline's).
         """
+        self.check_usable()
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         params = sampling or _proto.SamplingParams()
         send, receive = trio.open_memory_channel[TokenChunk](64)
@@ -328,7 +358,7 @@ class Pipeline:
         sampling: _proto.SamplingParams | None = None,
         chat: bool = False,
         on_token: Callable[[TokenChunk], Any] | None = None,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         ignore_eog: bool = False,
         speculation: SpeculationConfig | None = None,
         drafter: Drafter | None = None,
@@ -343,6 +373,7 @@ class Pipeline:
         ``ignore_eog`` keeps generating past end-of-generation tokens (benchmarks use it to
         produce exactly ``max_tokens``). ``cache_salt``: as `generate`'s.
         """
+        self.check_usable()
         prompt_ids = self.encode_prompt(prompt, chat=chat)
 
         async def emit(chunk: TokenChunk) -> None:

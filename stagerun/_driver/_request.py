@@ -112,7 +112,7 @@ class Request:
         sampling: _proto.SamplingParams,
         emit: Emit,
         *,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         ignore_eog: bool = False,
         speculation: SpeculationConfig | None = None,
         drafter: Drafter | None = None,

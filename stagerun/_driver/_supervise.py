@@ -407,5 +407,9 @@ def is_serving(health: StageHealth) -> bool:
 
 
 def stage_command(argv: Sequence[str]) -> list[str]:
-    """The command line of a ``stagerun stage`` child (without ``--listen``)."""
-    return [sys.executable, "-m", "stagerun", "stage", *argv]
+    """The command line of a ``stagerun stage`` child (without ``--listen``).
+
+    ``-P`` keeps the caller's working directory off the child's ``sys.path``: a module of
+    the application's named like one the stage imports (``concurrent.py``) cannot shadow it.
+    """
+    return [sys.executable, "-P", "-m", "stagerun", "stage", *argv]

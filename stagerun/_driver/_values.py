@@ -103,7 +103,7 @@ class StageHealth:
     """
 
     stage: StageInfo
-    state: Literal["ready", "unreachable"]
+    state: Literal["ready", "unreachable", "closed"]
     error: str | None = None
     latency_ms: float | None = None
     standbys: tuple[AddressHealth, ...] = ()

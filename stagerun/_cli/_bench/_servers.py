@@ -111,7 +111,7 @@ def serve_command(args: argparse.Namespace, port: int) -> list[str]:
     server's ``--max-batch``, its default unless the bench is given one.
     """
     most = max(args.clients)
-    cmd = [sys.executable, "-m", "stagerun", "serve", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-P", "-m", "stagerun", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", args.model, "--stages", str(args.stages),
            "--max-queue", str(most)]  # fmt: skip
     if args.hop_delay_ms:

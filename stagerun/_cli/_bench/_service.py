@@ -140,7 +140,7 @@ async def bench_load(args: argparse.Namespace) -> int:
 
     model_id = served_model_id(args.model)
     cmd = [
-        sys.executable, "-m", "stagerun", "serve", "--port", "0",
+        sys.executable, "-P", "-m", "stagerun", "serve", "--port", "0",
         "--model", args.model, "--stages", str(args.stages),
     ]  # fmt: skip
     if args.max_batch is not None:

@@ -1,0 +1,75 @@
+"""A pipeline serves the Trio run that opened it, until its block ends, and says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from stagerun import PipelineClosedError, open_pipeline
+from stagerun.testing import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_layers=4)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+async def test_a_closed_pipeline_refuses_at_once_and_reports_closed(
+    tiny: Path, stages: int
+) -> None:
+    async with open_pipeline(tiny, stages=stages) as pipeline:
+        assert (await pipeline.complete("hi", max_tokens=2)).token_ids
+    with trio.fail_after(1):  # at once: no recovery, no waiting for a lane
+        with pytest.raises(PipelineClosedError, match="closed"):
+            await pipeline.complete("hi", max_tokens=2)
+        with pytest.raises(PipelineClosedError, match="closed"):
+            async with pipeline.generate("hi", max_tokens=2):
+                pass
+        health = await pipeline.check_health()
+    assert [h.state for h in health] == ["closed"] * stages
+
+
+async def test_a_pipeline_refuses_another_trio_run(tiny: Path) -> None:
+    errors: list[BaseException] = []
+    async with open_pipeline(tiny, stages=2) as pipeline:
+
+        def elsewhere() -> None:
+            async def use() -> None:
+                await pipeline.complete("hi", max_tokens=2)
+
+            try:
+                trio.run(use)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=elsewhere)
+        await trio.to_thread.run_sync(lambda: (thread.start(), thread.join(10)))
+        assert (await pipeline.complete("hi", max_tokens=2)).token_ids  # still fine here
+    assert len(errors) == 1 and isinstance(errors[0], PipelineClosedError)
+    assert "another trio.run" in str(errors[0])
+
+
+def test_stage_processes_ignore_the_apps_own_modules(tiny: Path, tmp_path: Path) -> None:
+    """A module beside the app named like one a stage imports does not break the stages."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "concurrent.py").write_text("raise ImportError('the app shadows concurrent')\n")
+    (app / "main.py").write_text(
+        "import trio\n"
+        "from stagerun import open_pipeline\n"
+        "async def main():\n"
+        f"    async with open_pipeline({str(tiny)!r}, stages=2, mode='processes') as p:\n"
+        "        print(len((await p.complete('hi', max_tokens=3)).token_ids))\n"
+        "trio.run(main)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-P", "main.py"], cwd=app, capture_output=True, text=True, timeout=120
+    )  # the app itself runs with -P too: its own imports would meet its concurrent.py
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "3"
