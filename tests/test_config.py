@@ -222,3 +222,19 @@ def test_chat_template_files_are_read_bounded_and_reach_the_config(
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--chat-template", str(tmp_path / name)])
         assert words in capsys.readouterr().err
+
+
+def test_layer_ranges_take_the_cli_forms_and_bad_ones_raise_layer_range_error() -> None:
+    from stagerun import LayerRangeError
+
+    pairs = ((0, 15), (15, 30))
+    assert PipelineConfig(layers=["0:15", "15:30"]).layers == pairs
+    assert PipelineConfig(layers="0:15,15:30").layers == pairs
+    assert PipelineConfig(layers=[[0, 15], (15, 30)]).layers == pairs
+    for bad in (["0-15"], [(0, "a")], [(1, 2, 3)], [(True, 3)]):
+        with pytest.raises(LayerRangeError, match=r"PipelineConfig\.layers"):
+            PipelineConfig(layers=bad)
+    for config in (PipelineConfig(layers=[(0, 10), (12, 30)]), PipelineConfig(stages=40),
+                   PipelineConfig(layers=[(0, 29)])):  # fmt: skip
+        with pytest.raises(LayerRangeError):
+            plan(config, 30)

@@ -42,6 +42,7 @@ from .._engine._config import (
     StageCompute,
     StageConfig,
 )
+from .._errors import LayerRangeError
 from .._proto import ActivationDType
 from .._util import default_threads
 from .._wire._connect import alternatives
@@ -62,8 +63,35 @@ def _tuple_or_none(value: Sequence[Any] | None) -> tuple[Any, ...] | None:
     return None if value is None else tuple(value)
 
 
-def _ranges(value: Sequence[Sequence[int]] | None) -> tuple[tuple[int, int], ...] | None:
-    return None if value is None else tuple((int(lo), int(hi)) for lo, hi in value)
+def _ranges(value: Any) -> tuple[tuple[int, int], ...] | None:
+    """Layer ranges as pairs: ``[(0, 15), (15, 30)]``, or as the CLI writes them: ``"0:15"``
+    items, or one ``"0:15,15:30"`` string.
+
+    Raises:
+        LayerRangeError: an item is neither a pair of whole numbers nor ``LO:HI``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [part for part in value.split(",") if part.strip()]
+    return tuple(_range(item) for item in value)
+
+
+def _range(item: Any) -> tuple[int, int]:
+    if isinstance(item, str):
+        lo, sep, hi = item.partition(":")
+        if sep and lo.strip().isdigit() and hi.strip().isdigit():
+            return int(lo), int(hi)
+    elif (
+        isinstance(item, Sequence)
+        and len(item) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in item)
+    ):
+        return int(item[0]), int(item[1])
+    raise LayerRangeError(
+        f"layer range {item!r} must be a pair (lo, hi) of whole numbers or 'LO:HI' like '0:15' "
+        "@ PipelineConfig.layers"
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -186,7 +214,7 @@ class PipelinePlan:
 def split_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
     """Split ``n_layers`` into ``stages`` contiguous ranges as evenly as possible."""
     if not 1 <= stages <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {stages} stages")
+        raise LayerRangeError(f"cannot split {n_layers} layers into {stages} stages")
     base, extra = divmod(n_layers, stages)
     ranges, lo = [], 0
     for i in range(stages):
@@ -453,11 +481,13 @@ def _check_ranges(ranges: Sequence[tuple[int, int]], n_layers: int) -> None:
     expected = 0
     for lo, hi in ranges:
         if lo != expected or hi <= lo:
-            raise ValueError(
+            raise LayerRangeError(
                 f"stage layer ranges {list(ranges)} must be contiguous, non-empty and start at 0"
+                " @ PipelineConfig.layers"
             )
         expected = hi
     if expected != n_layers:
-        raise ValueError(
+        raise LayerRangeError(
             f"stage layer ranges {list(ranges)} must end at the model's {n_layers} layers"
+            " @ PipelineConfig.layers"
         )
