@@ -505,6 +505,7 @@ def test_builtin_drafters_conform(tiny_model: ModelFile) -> None:
             functools.partial(OracleDrafter, REQUEST, error_rate=error_rate, vocab_size=vocab),
             REQUEST,
             vocab_size=vocab,
+            unrelated=False,
         )
     check_drafter(lambda: DraftModelDrafter(tiny_model), vocab_size=vocab)
 
@@ -531,6 +532,13 @@ class _Random(NgramDrafter):
 class _NeverForgets(NgramDrafter):
     def begin(self, prompt: Sequence[int]) -> None:
         self.commit(prompt)  # keeps the previous request's history
+
+
+class _NeverResets(NgramDrafter):
+    def begin(self, prompt: Sequence[int]) -> None:
+        if not getattr(self, "_begun", False):  # only the first request is ever taken in
+            self._begun = True
+            super().begin(prompt)
 
 
 class _Text(NgramDrafter):
@@ -572,6 +580,36 @@ class _NoCommit:
 def test_broken_drafters_fail(drafter: type, match: str) -> None:
     with pytest.raises(AssertionError, match=match):
         check_drafter(drafter, vocab_size=1000)
+
+
+@pytest.mark.parametrize(
+    ("drafter", "match"),
+    [
+        (_NeverResets, r"check_drafter: begin resets the drafter: after begin\(\) a used"),
+        (_Huge, r"a request: propose\(\) returned ids >= the vocab size 49152"),
+    ],
+    ids=lambda value: getattr(value, "__name__", None),
+)
+def test_stale_drafters_and_ids_beyond_the_vocabulary_fail_with_the_defaults(
+    drafter: type, match: str
+) -> None:
+    """A begin() that keeps the first request; ids beyond a vocabulary nobody gave."""
+    with pytest.raises(AssertionError, match=match):
+        check_drafter(drafter)
+
+
+def test_a_begin_that_never_clears_is_caught_by_an_unrelated_request(bigram_drafter: type) -> None:
+    """The example's bigram table, never cleared: a request that is a prefix of the last one
+    rewrites every entry it uses, so only a request that shares nothing but its end tells."""
+
+    class NeverClears(bigram_drafter):  # type: ignore[misc,valid-type]
+        def begin(self, prompt: Sequence[int]) -> None:
+            self._last = None
+            self.commit(prompt)  # the table of every earlier request stays
+
+    with pytest.raises(AssertionError, match=r"begin resets the drafter: after begin\(\) a used"):
+        check_drafter(NeverClears)
+    check_drafter(NeverClears, unrelated=False)  # what the suite checked before: it passed
 
 
 def test_drafter_errors_are_named() -> None:

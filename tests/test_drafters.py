@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,25 @@ def test_draft_model_self_draft_matches_greedy(tmp_path: Path) -> None:
     )
     with pytest.raises(ValueError, match="share the target's vocabulary"):
         DraftModelDrafter(path, target_vocab_size=target.vocab_size + 1)
+
+
+async def test_a_drafter_proposing_impossible_ids_is_cut_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Drafts beyond the vocabulary are cut where they start; decoding goes on, unchanged."""
+    from stagerun import SpeculationConfig, open_pipeline
+
+    class Wild(NgramDrafter):
+        def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+            return [*super().propose(context, max_tokens), 10**6][:max_tokens]
+
+    model = write_tiny_model(tmp_path / "tiny.gguf", n_layers=2)
+    async with open_pipeline(model, stages=2) as pipeline:
+        plain = await pipeline.complete("the cat sat on the mat. the cat", max_tokens=16)
+        with caplog.at_level(logging.WARNING, logger="stagerun.speculative"):
+            wild = await pipeline.complete(
+                "the cat sat on the mat. the cat", max_tokens=16, drafter=Wild(),
+                speculation=SpeculationConfig("ngram"),
+            )  # fmt: skip
+    assert wild.token_ids == plain.token_ids
+    assert any("drafter Wild proposed 1000000" in r.getMessage() for r in caplog.records)

@@ -171,6 +171,10 @@ class Request:
     def wire_dtype(self) -> _proto.ActivationDType:
         return self.pipeline.wire_dtype
 
+    @property
+    def vocab_size(self) -> int:
+        return self.pipeline.model.config.vocab_size
+
     def __repr__(self) -> str:
         return (
             f"<Request id={self.request_id} prompt={len(self.prompt_ids)} "

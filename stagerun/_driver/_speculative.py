@@ -23,12 +23,14 @@ as it is sent.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import trio
 
 from .. import _decide, _proto, _spans, telemetry
@@ -76,6 +78,10 @@ def _window_spans(
         )
 
 
+log = logging.getLogger("stagerun.speculative")
+_WARNED: set[str] = set()  # drafters already said to propose impossible ids
+
+
 class Speculating(Protocol):
     """What speculative decoding uses of its request (`stagerun._driver._request.Request`)."""
 
@@ -101,6 +107,10 @@ class Speculating(Protocol):
 
     def load(self) -> float:
         """How busy stage 0's compute has been lately (0..1): the pipeline's load."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: every draft is a token id below it."""
 
 
 class SpeculativeDecode:
@@ -259,8 +269,36 @@ class SpeculativeDecode:
 
     async def _propose(self, context: Sequence[int], max_drafts: int) -> Sequence[int]:
         if getattr(self.drafter, "blocking", True):
-            return await trio.to_thread.run_sync(self.drafter.propose, context, max_drafts)
-        return self.drafter.propose(context, max_drafts)  # microseconds: no thread hop
+            proposal = await trio.to_thread.run_sync(self.drafter.propose, context, max_drafts)
+        else:
+            proposal = self.drafter.propose(context, max_drafts)  # microseconds: no thread hop
+        return self._possible(proposal)
+
+    def _possible(self, proposal: Sequence[int]) -> Sequence[int]:
+        """``proposal`` cut at its first id that is not a token of the model (said once).
+
+        Such a draft could never be accepted, and the stages would refuse it: the window
+        carries the drafts before it, and decoding goes on.
+        """
+        vocab = self.request.vocab_size
+        for i, token in enumerate(proposal):
+            if (
+                isinstance(token, bool)
+                or not isinstance(token, int | np.integer)
+                or not (0 <= token < vocab)
+            ):
+                name = type(self.drafter).__name__
+                if name not in _WARNED:
+                    _WARNED.add(name)
+                    log.warning(
+                        "drafter %s proposed %r, not a token id of this model (0..%d): its "
+                        "proposals are cut there",
+                        name,
+                        token,
+                        vocab - 1,
+                    )
+                return proposal[:i]
+        return proposal
 
     async def apply(self, commands: list[_decide.Command]) -> None:
         """Carry out the controller's commands, in order (a stop string adds a Finish)."""

@@ -59,7 +59,7 @@ class TickInfo:
 
 
 class _Job:
-    __slots__ = ("item", "outcome", "prefill", "stale", "tick")
+    __slots__ = ("abandoned", "item", "outcome", "prefill", "stale", "tick")
 
     def __init__(
         self,
@@ -68,8 +68,16 @@ class _Job:
         stale: Callable[[], bool] | None,
         tick: TickInfo | None,
     ) -> None:
-        self.item, self.prefill, self.stale, self.tick = item, prefill, stale, tick
+        self.prefill, self.stale, self.tick = prefill, stale, tick
         self.outcome: np.ndarray[Any, Any] | BaseException | None = None
+        # its caller was cancelled: the compute stops at the next layer boundary
+        self.abandoned = False
+        inner = item.should_stop
+
+        def should_stop() -> bool:
+            return self.abandoned or (inner is not None and inner())
+
+        self.item = attrs.evolve(item, should_stop=should_stop)
 
 
 class TickBatcher:
@@ -166,12 +174,15 @@ class TickBatcher:
         try:
             while job.outcome is None:
                 if self._running is None:
-                    await self._tick()
+                    await self._tick(job)
                 else:
                     await self._running.wait()
         finally:
-            if job.outcome is None and job in self._waiting:
-                self._waiting.remove(job)  # cancelled while it waited
+            if job.outcome is None:  # cancelled
+                if job in self._waiting:
+                    self._waiting.remove(job)  # while it waited
+                else:
+                    job.abandoned = True  # while a tick computes it: it stops there
         if isinstance(job.outcome, BaseException):
             # Its traceback's frames hold the tick's items (activations, caches) in a cycle
             # with the exception: clear their locals (the lines stay for the log), or a peer
@@ -189,7 +200,8 @@ class TickBatcher:
         """
         self._seen.pop(id(cache), None)
 
-    async def _tick(self) -> None:
+    async def _tick(self, own: _Job) -> None:
+        """Run one tick in a worker thread; ``own`` is the job of the task that runs it."""
         done = self._running = trio.Event()
         try:
             await trio.lowlevel.checkpoint()  # work that is ready now joins this tick
@@ -198,11 +210,36 @@ class TickBatcher:
             jobs = self._take()
             if jobs:
                 start = time.perf_counter()
-                await trio.to_thread.run_sync(self._compute, jobs)
+                await self._in_thread(jobs, own)
                 self._count(jobs, start, time.perf_counter())
         finally:
             self._running = None
             done.set()
+
+    async def _in_thread(self, jobs: list[_Job], own: _Job) -> None:
+        """Compute ``jobs`` in a worker thread, which a cancelled caller does not wait out.
+
+        Cancelled meanwhile, the caller's own job is abandoned, so its compute stops at the
+        next layer boundary (as a stale verify window's does), and the caller waits only for
+        that and for the tick's other jobs, then is cancelled: a long prefill chunk no longer
+        holds a cancellation for its whole compute.
+        """
+        finished = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def work() -> None:
+            try:
+                self._compute(jobs)
+            finally:
+                token.run_sync_soon(finished.set)
+
+        try:
+            await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except trio.Cancelled:
+            own.abandoned = True
+            with trio.CancelScope(shield=True):  # the tick's caches are the thread's till then
+                await finished.wait()
+            raise
 
     async def _gather(self, groups: int) -> None:
         """Wait, `GATHER_TICKS` mean ticks at most, until a group's share of decode steps waits.

@@ -12,6 +12,7 @@ from ._common import _Check, _checking
 _PROMPT = (5, 6, 7, 8, 9) * 2 + tuple(range(20, 30)) + (5, 6, 7, 8, 9)
 _CONTINUATION = (*range(20, 30), 5, 6, *range(40, 45), 5, 6, 7, 8, 9, 20, 21, 22)
 _DEFAULT_TOKENS = _PROMPT + _CONTINUATION
+DEFAULT_VOCAB = 49152  # the default model's (SmolLM2)
 
 
 def _proposal(check: _Check, drafter: Any, context: Sequence[int], max_tokens: int) -> list[int]:
@@ -30,7 +31,8 @@ def check_drafter(
     factory: Callable[[], Any],
     tokens: Sequence[int] = _DEFAULT_TOKENS,
     *,
-    vocab_size: int | None = None,
+    vocab_size: int | None = DEFAULT_VOCAB,
+    unrelated: bool = True,
 ) -> None:
     """Check that a drafter proposes drafts the way stagerun calls it.
 
@@ -40,14 +42,19 @@ def check_drafter(
     ``commit`` and ``propose``; ``propose`` returns a sequence (maybe empty) of at most
     ``max_tokens`` ids >= 0 (and < ``vocab_size`` if given), none for ``max_tokens=0``; two
     drafters fed the same calls propose the same, and asking twice gives the same answer;
-    ``begin`` forgets the previous request.
+    ``begin`` forgets the previous request (also when the next request shares nothing with
+    it but its last tokens, where a kept history would find a continuation).
 
     Args:
         factory: ``factory()`` returns a new drafter; a lambda can pass arguments (an oracle's
             reference tokens, a draft model).
         tokens: a request's tokens, prompt then continuation; the default repeats itself so
             that lookup drafters find matches.
-        vocab_size: if given, every proposed id must be below it.
+        vocab_size: every proposed id must be below it (default: the default model's
+            vocabulary; None skips the check). A pipeline cuts a proposal at its first
+            id outside the model's vocabulary, and says which drafter proposed it.
+        unrelated: also play a second, unrelated request (False for a drafter that serves
+            one request only, such as an oracle of one reference).
 
     Raises:
         AssertionError: a check failed; the message names it.
@@ -76,6 +83,15 @@ def check_drafter(
             committed += piece
     with _checking("check_drafter", "begin resets the drafter") as check:
         _check_begin_resets(check, drafter, factory(), prompt[: max(1, len(prompt) - 3)])
+        # an unrelated request that ends like the first began: a drafter that kept the
+        # first request's history finds a continuation there, a fresh one has none
+        if unrelated:
+            bound = vocab_size or DEFAULT_VOCAB
+            other = [(t * 7 + 101) % bound for t in prompt[:4]] + prompt[:3]
+            used = factory()
+            used.begin(prompt)
+            used.commit(rest)
+            _check_begin_resets(check, used, factory(), other)
 
 
 def _check_interface(check: _Check, drafter: Any) -> None:
