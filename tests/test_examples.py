@@ -22,3 +22,18 @@ def test_embed_pipeline_example_runs() -> None:
     )
     assert "Paris" in out.stdout
     assert "tokens at" in out.stderr
+
+
+@pytest.mark.slow
+def test_concurrent_requests_example_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "concurrent_requests.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    for line in ("health: [(0, 'ready'), (1, 'ready')]", "cancelled: returned cancelled",
+                 "deadline: gave up after 0.5 s", "first: finished", "second: finished",
+                 "after: finished", "closed; health now ['closed', 'closed']"):  # fmt: skip
+        assert line in out, out
