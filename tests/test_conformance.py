@@ -8,8 +8,10 @@ pipeline, split or not, plain or speculative, to exactly the tokens `FakeBackend
 from __future__ import annotations
 
 import functools
+import gc
 import pathlib
 import random
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -87,6 +89,14 @@ class _Wrapped(trio.abc.Stream):
 class _Truncating(_Wrapped):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self.inner.send_all(bytes(data)[: 64 * 1024])
+
+
+class _LosesTheLastByteOfBigFrames(_Wrapped):
+    """Passes 1 MiB frames, and cuts the last byte of anything over 2 MiB."""
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        data = bytes(data)
+        await self.inner.send_all(data[:-1] if len(data) > 2 << 20 else data)
 
 
 class _Dropping(_Wrapped):
@@ -266,7 +276,8 @@ class _BadSchemes(MemoryTransport):
 @pytest.mark.parametrize(
     ("transport", "match"),
     [
-        (_broken_streams(_Truncating), r"check_transport: a 1 MiB frame, both ways at once: "),
+        (_broken_streams(_Truncating), r"a frame of 1,048,576 payload bytes, both ways at once"),
+        (_broken_streams(_LosesTheLastByteOfBigFrames), r"a frame of 2,097,153 payload bytes"),
         (_broken_streams(_Dropping), r"check_transport: many small frames, both ways at once: "),
         (_broken_streams(_LosesDataOnCancel), r"receive_some is cancel-safe: bytes were lost"),
         (_broken_streams(_IgnoresMaxBytes), r"bytes server to client: receive_some\(7\) returned"),
@@ -287,6 +298,22 @@ class _BadSchemes(MemoryTransport):
 async def test_broken_transports_fail(transport: Transport, match: str) -> None:
     with pytest.raises(AssertionError, match=match):
         await check_transport(transport, "mem://0", timeout=1)
+
+
+class _TcpLosingBigFrames(TcpTransport):
+    async def connect(self, address: str, *, timeout: float) -> trio.abc.Stream:
+        return _LosesTheLastByteOfBigFrames(await super().connect(address, timeout=timeout))
+
+
+async def test_a_failed_check_leaves_no_socket_open() -> None:
+    """Run under ``-W error`` a failing check must not leave an unclosed socket to warn."""
+    with pytest.raises(AssertionError, match=r"a frame of 2,097,153 payload bytes"):
+        await check_transport(_TcpLosingBigFrames(), "tcp://127.0.0.1:0", timeout=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    unclosed = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not unclosed, [str(w.message) for w in unclosed]
 
 
 async def test_port_zero_reported_fails() -> None:

@@ -31,13 +31,22 @@ class _Accepted:
     done: trio.Event = attrs.field(factory=trio.Event)
 
 
+DEFAULT_MAX_FRAME_BYTES = 8192 * 576 * 4
+"""The largest activation payload the default model sends (a whole context of SmolLM2's
+576-wide float32 rows: 18 MiB)."""
+
+
 class _TransportChecks:
-    def __init__(self, transport: Transport, address: str, timeout: float) -> None:
+    def __init__(
+        self, transport: Transport, address: str, timeout: float, max_frame_bytes: int
+    ) -> None:
         self.transport = transport
         self.address = address
         self.timeout = timeout
+        self.max_frame_bytes = max_frame_bytes
         self.bound = ""
         self._accepted_in, self._accepted = trio.open_memory_channel[_Accepted](math.inf)
+        self._opened: list[trio.abc.Stream] = []  # closed at the end, whatever happened
 
     def check(self, name: str) -> contextlib.AbstractContextManager[_Check]:
         return _checking("check_transport", name, self.timeout)
@@ -59,6 +68,15 @@ class _TransportChecks:
                 and all(isinstance(s, str) and s for s in schemes)
             ):
                 check.fail(f"schemes must be a non-empty tuple of strings, not {schemes!r}")
+        try:
+            await self._run_checks()
+        finally:
+            with trio.CancelScope(shield=True):  # a failed check leaves no socket open
+                for stream in self._opened:
+                    await trio.aclose_forcefully(stream)
+                self._opened.clear()
+
+    async def _run_checks(self) -> None:
         late = False
         try:
             async with trio.open_nursery() as watchdogs:
@@ -125,12 +143,14 @@ class _TransportChecks:
     async def _open(self) -> tuple[trio.abc.Stream, _Accepted]:
         with self.check("connect") as check:
             client = await self.transport.connect(self.bound, timeout=self.timeout)
+            self._opened.append(client)
             for method in ("send_all", "receive_some", "aclose"):
                 if not callable(getattr(client, method, None)):
                     check.fail(f"connect() returned {client!r}, which has no {method}()")
         with self.check("the handler runs for each connection") as check:
             check.progress = f"connected to {self.bound}, but serve() never called the handler"
             accepted = await self._accepted.receive()
+            self._opened.append(accepted.stream)
             if not isinstance(accepted.peer, str) or not accepted.peer:
                 check.fail(f"the handler was given peer {accepted.peer!r}; name the other end")
         return client, accepted
@@ -163,9 +183,10 @@ class _TransportChecks:
 
     async def _check_frames(self) -> None:
         client, accepted = await self._open()
-        small = _small_frames(300)
-        large = [_large_frame()]
-        for name, frames in (("many small frames", small), ("a 1 MiB frame", large)):
+        sizes = sorted({1 << 20, (2 << 20) + 1, self.max_frame_bytes})
+        cases = [("many small frames", _small_frames(300))]
+        cases += [(f"a frame of {size:,} payload bytes", [_large_frame(size)]) for size in sizes]
+        for name, frames in cases:
             # Both directions at once: a transport must be full duplex, and a bounded one would
             # deadlock if both ends sent a big frame before reading.
             with self.check(f"{name}, both ways at once") as check:
@@ -345,11 +366,18 @@ def _small_frames(count: int) -> list[tuple[_proto.Message, np.ndarray[Any, Any]
     return frames
 
 
-def _large_frame() -> tuple[_proto.Message, np.ndarray[Any, Any] | None]:
-    activations = np.random.default_rng(0).standard_normal((256, 1024), dtype=np.float32)
-    prefill = _proto.Prefill(
-        request_id=2, chunk_index=0, position=0, tokens=tuple(range(256)), predict=True
-    )
+def _large_frame(payload_bytes: int) -> tuple[_proto.Message, np.ndarray[Any, Any] | None]:
+    """A prefill frame whose activations take at least ``payload_bytes`` (rows of 4 bytes x
+    cols, cols chosen so that the rows come out whole)."""
+    cols = 576 if payload_bytes % (576 * 4) == 0 else 1
+    rows = -(-payload_bytes // (cols * 4))
+    while rows > _proto.MAX_TOKENS_PER_MESSAGE:  # wider rows for a larger frame
+        cols *= 2
+        rows = -(-payload_bytes // (cols * 4))
+    rng = np.random.default_rng(payload_bytes)
+    activations = rng.standard_normal((rows, cols), dtype=np.float32)
+    tokens = tuple(i % 1000 for i in range(rows))
+    prefill = _proto.Prefill(request_id=2, chunk_index=0, position=0, tokens=tokens, predict=True)
     return prefill, activations
 
 
@@ -389,15 +417,20 @@ async def _receive_frames(
 
 
 async def check_transport(
-    transport: Transport, address: str | None = None, *, timeout: float = 10.0
+    transport: Transport,
+    address: str | None = None,
+    *,
+    timeout: float = 10.0,
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> None:
     """Check that ``transport`` can carry stagerun lanes.
 
     Serves on ``address`` (a free port or name: ``tcp://127.0.0.1:0``, ``mem://0``; by
     default the transport's ``local_address("127.0.0.1")``) and checks that: ``serve``
     reports a dialable address of one of its schemes; ``connect`` reaches the handler, with
-    a peer name, and connections are kept apart; bytes and whole
-    frames (many small ones, and 1 MiB ones both ways at once) arrive intact and in order
+    a peer name, and connections are kept apart; bytes and whole frames (many small ones,
+    and ones of 1 MiB, 2 MiB + 1 byte and ``max_frame_bytes`` of activations, both ways at
+    once) arrive intact and in order
     through stagerun's frame decoder, each ``send_all`` whole; ``receive_some(n)`` returns at
     most n bytes and is cancel-safe; stagerun's handshake works over it; closing one end is
     seen by the other (``b""``, then `stagerun.LaneBrokenError` from a lane); ``is_live``
@@ -409,6 +442,10 @@ async def check_transport(
         transport: the transport instance under test.
         address: where to serve; None asks the transport (``local_address``).
         timeout: the deadline of each check, in seconds.
+        max_frame_bytes: the largest activation payload the transport will carry (default:
+            the default model's largest, a whole context of activations: 18 MiB).
+
+    Whatever the outcome, every connection the suite opened is closed before it returns.
 
     Raises:
         AssertionError: a check failed; the message names it.
@@ -416,7 +453,7 @@ async def check_transport(
     if address is None:
         local_address = getattr(transport, "local_address", None)
         address = local_address("127.0.0.1") if callable(local_address) else "tcp://127.0.0.1:0"
-    await _TransportChecks(transport, str(address), timeout).run()
+    await _TransportChecks(transport, str(address), timeout, max_frame_bytes).run()
 
 
 # --- backends ---------------------------------------------------------------------------------
