@@ -146,6 +146,8 @@ async def open_pipeline(
                 max_kv_tokens=limits[1],
             )
             try:
+                if isinstance(model, str | os.PathLike):
+                    pipeline.opened_as = os.fspath(model)
                 yield pipeline
             finally:
                 pipeline.closed = True  # what runs on it from now on is refused at once

@@ -43,6 +43,9 @@ __all__ = [
     "ForwardItem",
     "KVCache",
     "Transport",
+    "exports_kv",
+    "forward_each",
+    "run_batch",
 ]
 
 ConnectionHandler = Callable[[trio.abc.Stream, str], Awaitable[None]]

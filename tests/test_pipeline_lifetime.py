@@ -73,3 +73,20 @@ def test_stage_processes_ignore_the_apps_own_modules(tiny: Path, tmp_path: Path)
     )  # the app itself runs with -P too: its own imports would meet its concurrent.py
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "3"
+
+
+async def test_an_app_answers_to_the_name_the_pipeline_was_opened_with(tiny: Path) -> None:
+    import httpx
+
+    from stagerun.server import create_app
+
+    async with open_pipeline(tiny) as pipeline:
+        app = create_app(pipeline)  # no model_id: the names it was opened as are taken
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            for name in (str(tiny), tiny.name, pipeline.config.name):
+                body = {"model": name, "prompt": "hi", "max_tokens": 2}
+                response = await client.post("/v1/completions", json=body)
+                assert response.status_code == 200, (name, response.text)
+            unknown = {"model": "gpt-4o", "prompt": "hi", "max_tokens": 2}
+            assert (await client.post("/v1/completions", json=unknown)).status_code == 404

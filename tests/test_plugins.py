@@ -380,3 +380,17 @@ def test_family_plugins_are_checked_by_name_and_type(
     assert open_model(path).config.family.name == "branchy"
     with pytest.raises(UnsupportedModelError, match=r"'misnamed' model .*named 'other'"):
         family_of("misnamed", "m.gguf")
+
+
+def test_the_docs_sample_lists_stageruns_own_plugins_as_registered() -> None:
+    """docs/plugins.md's `stagerun plugins` sample: stagerun's own lines are what it registers."""
+    import importlib.metadata
+    import re
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "plugins.md").read_text()
+    sample = docs.split("$ stagerun plugins\n", 1)[1].split("```", 1)[0]
+    shown = set(re.findall(r"^  (\S+) +(\S+) +stagerun 0\.1\.0", sample, re.MULTILINE))
+    groups = [g for g in importlib.metadata.distribution("stagerun").entry_points
+              if g.group.startswith("stagerun.")]  # fmt: skip
+    registered = {(ep.name, ep.value) for ep in groups}
+    assert shown == registered

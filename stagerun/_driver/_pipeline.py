@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -117,6 +118,7 @@ class Pipeline:
         self.stages = stages
         self.pool = pool
         self.closed = False  # set when its `open_pipeline` block ends
+        self.opened_as: str | None = None  # the name or path `open_pipeline` was given
         self._trio_token = trio.lowlevel.current_trio_token()
         self.wire_dtype = wire_dtype
         self.prefill_policy = (
@@ -159,6 +161,15 @@ class Pipeline:
     def prefix_cache(self) -> PrefixCache | None:
         """Stage 0's prefix cache (its engine's), or None when it is off."""
         return self.engine.prefix_cache
+
+    @property
+    def names(self) -> list[str]:
+        """What requests may call the model: its own name, and what it was opened as (a
+        built-in name like ``smollm2``, or a path and its file name)."""
+        names = [self.config.name]
+        if self.opened_as:
+            names += [self.opened_as, os.path.basename(self.opened_as)]
+        return names
 
     def check_usable(self) -> None:
         """Raise `PipelineClosedError` unless requests may run on this pipeline now.

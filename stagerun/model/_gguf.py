@@ -434,8 +434,10 @@ def open_model(name_or_path: str | os.PathLike[str] | ModelFile) -> ModelFile:
 
     Raises:
         ModelNotFoundError: see :func:`resolve_model`.
-        ModelError: the file is not a readable GGUF file, or lacks what a llama model needs.
-        UnsupportedModelError: the architecture is not llama, or a tensor type is unknown.
+        ModelError: the file is not a readable GGUF file, or lacks what its family needs.
+        UnsupportedModelError: no installed family takes the file's architecture (built in:
+            llama, qwen2, qwen3, phi3, gemma3; see `stagerun plugins`), or a tensor type is
+            unknown.
     """
     if isinstance(name_or_path, ModelFile):
         return name_or_path

@@ -49,7 +49,8 @@ def create_app(
     Args:
         config: the server's settings (`HttpConfig`, which documents them; default
             `HttpConfig()`); ``max_batch`` may not exceed the lane pool's capacity.
-        model_id: the id ``/v1/models`` reports (default: the model's name).
+        model_id: the id ``/v1/models`` reports (default: the model's name). The names the
+            pipeline was opened with (``smollm2``, a path and its file name) are taken too.
         model_aliases: further ids requests may name (the ``--model`` string, the file name).
         allowed_hosts: the ``Host`` headers answered (`AllowedHosts`, or entries for
             `AllowedHosts.parse`); others get 421. None (the default, for an app embedded
@@ -75,7 +76,7 @@ def create_app(
         pipeline=pipeline,
         admission=admission,
         model_id=name,
-        model_aliases=frozenset({*model_aliases, pipeline.config.name}) - {name},
+        model_aliases=frozenset({*model_aliases, *pipeline.names}) - {name},
         kv_bytes_per_token=kv_bytes_per_token(pipeline.config),
         metrics=stats,
         http=config,
