@@ -90,3 +90,16 @@ async def test_an_app_answers_to_the_name_the_pipeline_was_opened_with(tiny: Pat
                 assert response.status_code == 200, (name, response.text)
             unknown = {"model": "gpt-4o", "prompt": "hi", "max_tokens": 2}
             assert (await client.post("/v1/completions", json=unknown)).status_code == 404
+
+
+async def test_health_reports_each_stages_real_backend(tiny: Path) -> None:
+    import httpx
+
+    from stagerun.server import create_app
+
+    async with open_pipeline(tiny, stages=2, backends=["numpy", "fake"]) as pipeline:
+        assert [info.backend for info in pipeline.stages] == ["numpy", "fake"]
+        transport = httpx.ASGITransport(app=create_app(pipeline))  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            stages = (await client.get("/health")).json()["stages"]
+    assert [stage["backend"] for stage in stages] == ["numpy", "fake"]
