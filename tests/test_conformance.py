@@ -269,6 +269,23 @@ class _WaitsForClients(MemoryTransport):
                     await trio.sleep(0.01)
 
 
+class _ShieldsHandlers(MemoryTransport):
+    """Runs every connection's handler shielded from cancellation (serve() waits for it)."""
+
+    async def serve(
+        self,
+        address: str,
+        handler: ConnectionHandler,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async def shielded(stream: trio.abc.Stream, peer: str) -> None:
+            with trio.CancelScope(shield=True):
+                await handler(stream, peer)
+
+        await super().serve(address, shielded, task_status=task_status)
+
+
 class _BadSchemes(MemoryTransport):
     schemes = ()
 
@@ -292,6 +309,7 @@ class _BadSchemes(MemoryTransport):
         (_Anywhere(), r"the handler runs for each connection: did not finish"),
         (_BadSchemes(), r"check_transport: schemes: "),
         (_WaitsForClients(), r"serve stops when cancelled: serve\(\) did not return within 1s"),
+        (_ShieldsHandlers(), r"serve stops when cancelled: .*does it shield them"),
     ],
     ids=lambda value: type(value).__name__ if isinstance(value, Transport) else None,
 )

@@ -47,6 +47,7 @@ class _TransportChecks:
         self.bound = ""
         self._accepted_in, self._accepted = trio.open_memory_channel[_Accepted](math.inf)
         self._opened: list[trio.abc.Stream] = []  # closed at the end, whatever happened
+        self._over = trio.Event()  # set when serve() overstays its cancel: handlers return
 
     def check(self, name: str) -> contextlib.AbstractContextManager[_Check]:
         return _checking("check_transport", name, self.timeout)
@@ -55,7 +56,14 @@ class _TransportChecks:
         accepted = _Accepted(stream, peer)
         self._accepted_in.send_nowait(accepted)
         try:
-            await accepted.done.wait()
+            async with trio.open_nursery() as waiting:  # its check is done, or the suite is
+
+                async def until(event: trio.Event) -> None:
+                    await event.wait()
+                    waiting.cancel_scope.cancel()
+
+                waiting.start_soon(until, accepted.done)
+                waiting.start_soon(until, self._over)
         finally:
             await trio.aclose_forcefully(stream)
 
@@ -97,6 +105,9 @@ class _TransportChecks:
                         await trio.sleep(self.timeout)
                         late = True
                         await trio.aclose_forcefully(idle)
+                        # a serve() that shields its handlers from cancellation waits for
+                        # them: the suite's own return now, so the report comes, not a hang
+                        self._over.set()
 
                     watchdogs.start_soon(watchdog)
                     nursery.cancel_scope.cancel(reason="check_transport: done with this server")
@@ -117,7 +128,8 @@ class _TransportChecks:
             raise AssertionError(
                 f"check_transport: serve stops when cancelled: serve() did not return within "
                 f"{self.timeout:g}s of being cancelled while a client held an idle connection "
-                "(it returned only once that client closed)"
+                "(it returned only once that client closed, or its handlers were made to "
+                "return: does it shield them from cancellation?)"
             )
         await self._check_dead_address()
 
