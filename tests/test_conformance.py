@@ -12,6 +12,7 @@ import gc
 import pathlib
 import random
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -59,11 +60,12 @@ def _websocket() -> Transport:
     ids=["tcp", "mem", "ws"],
 )
 async def test_builtin_transports_conform(make: Callable[[], Transport], address: str) -> None:
-    await check_transport(make(), address)
+    # the in-process memory transport buffers without bound by design (tests only)
+    await check_transport(make(), address, bounded=make is not MemoryTransport)
 
 
 async def test_address_defaults_to_the_transports_local_address() -> None:
-    await check_transport(MemoryTransport())
+    await check_transport(MemoryTransport(), bounded=False)
     await check_transport(TcpTransport())
 
 
@@ -315,7 +317,7 @@ class _BadSchemes(MemoryTransport):
 )
 async def test_broken_transports_fail(transport: Transport, match: str) -> None:
     with pytest.raises(AssertionError, match=match):
-        await check_transport(transport, "mem://0", timeout=1)
+        await check_transport(transport, "mem://0", timeout=1, bounded=False)
 
 
 class _TcpLosingBigFrames(TcpTransport):
@@ -698,3 +700,87 @@ async def test_pipeline_over_memory_lanes_gives_the_predicted_tokens(
         assert token == fake.next_token(context)
         context.append(token)
     assert [r.token_ids for r in results[1:]] == [results[0].token_ids] * 2
+
+
+class _Deflated(_Wrapped):
+    """Compresses what it sends (zlib), for `_InflatesEagerly`'s server to inflate."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        super().__init__(inner)
+        self._zip = zlib.compressobj(9)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(
+            self._zip.compress(bytes(data)) + self._zip.flush(zlib.Z_SYNC_FLUSH)
+        )
+
+
+class _InflatedEagerly(trio.abc.Stream):
+    """Reads and inflates everything the peer sends into a buffer of its own, unbounded."""
+
+    def __init__(self, inner: trio.abc.Stream, nursery: trio.Nursery) -> None:
+        self.inner, self._unzip, self._buffer = inner, zlib.decompressobj(), bytearray()
+        self._more = trio.Event()
+        self._eof = False
+        nursery.start_soon(self._pump)
+
+    async def _pump(self) -> None:
+        try:
+            while data := await self.inner.receive_some(1 << 16):
+                self._buffer += self._unzip.decompress(data)
+                self._more.set()
+        except trio.BrokenResourceError:
+            pass
+        self._eof = True
+        self._more.set()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        while not self._buffer:
+            if self._eof:
+                return b""
+            await self._more.wait()
+            self._more = trio.Event()
+        n = min(len(self._buffer), max_bytes or len(self._buffer))
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _InflatesEagerly(TcpTransport):
+    async def connect(self, address: str, *, timeout: float) -> trio.abc.Stream:
+        return _Deflated(await super().connect(address, timeout=timeout))
+
+    async def serve(
+        self,
+        address: str,
+        handler: ConnectionHandler,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async def inflating(stream: trio.abc.Stream, peer: str) -> None:
+            async with trio.open_nursery() as nursery:
+                await handler(_InflatedEagerly(stream, nursery), peer)
+                nursery.cancel_scope.cancel()
+
+        await super().serve(address, inflating, task_status=task_status)
+
+
+@pytest.mark.parametrize(
+    ("transport", "address"),
+    [(MemoryTransport(), "mem://0"), (_InflatesEagerly(), "tcp://127.0.0.1:0")],
+    ids=["unbounded buffer", "eager inflate"],
+)
+async def test_unbounded_transports_fail_the_bounds_check(
+    transport: Transport, address: str
+) -> None:
+    with pytest.raises(AssertionError, match="what a peer does not read is bounded"):
+        await check_transport(transport, address, timeout=4)

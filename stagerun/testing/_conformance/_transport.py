@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import tracemalloc
 from typing import Any
 
 import attrs
@@ -31,6 +32,7 @@ class _Accepted:
     done: trio.Event = attrs.field(factory=trio.Event)
 
 
+_UNREAD_BYTES = 256 << 20  # written to a peer that reads nothing, in the bounds check
 DEFAULT_MAX_FRAME_BYTES = 8192 * 576 * 4
 """The largest activation payload the default model sends (a whole context of SmolLM2's
 576-wide float32 rows: 18 MiB)."""
@@ -38,8 +40,14 @@ DEFAULT_MAX_FRAME_BYTES = 8192 * 576 * 4
 
 class _TransportChecks:
     def __init__(
-        self, transport: Transport, address: str, timeout: float, max_frame_bytes: int
+        self,
+        transport: Transport,
+        address: str,
+        timeout: float,
+        max_frame_bytes: int,
+        bounded: bool,
     ) -> None:
+        self.bounded = bounded
         self.transport = transport
         self.address = address
         self.timeout = timeout
@@ -96,6 +104,8 @@ class _TransportChecks:
                     await self._check_cancel_safety()
                     await self._check_handshake()
                     await self._check_close()
+                    if self.bounded:
+                        await self._check_bounded()
                     # A client that holds an idle connection (a pooled lane) and reads nothing
                     # must not keep a cancelled serve() from returning.
                     idle, _accepted = await self._open()
@@ -341,6 +351,40 @@ class _TransportChecks:
                 await lane.aclose()
         await self._finish(client, accepted)
 
+    async def _check_bounded(self) -> None:
+        """What the peer does not read stays bounded: a write blocks, or memory stays flat.
+
+        The client writes compressible bytes (zeros: what an inflating transport turns a
+        little into a lot from) while the server reads nothing. A kernel socket buffer
+        blocks the writer; a transport that takes in, or inflates into, an unbounded buffer
+        of its own grows this process's Python memory, which tracemalloc sees.
+        """
+        client, accepted = await self._open()
+        with self.check("what a peer does not read is bounded") as check:
+            tracing = tracemalloc.is_tracing()
+            if not tracing:
+                tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                chunk, sent = bytes(1 << 20), 0
+                with trio.move_on_after(min(self.timeout / 2, 2.0)):
+                    while sent < _UNREAD_BYTES:
+                        await client.send_all(chunk)
+                        sent += len(chunk)
+                await trio.sleep(0.1)  # a receiving side that inflates in the background
+                grown = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                if not tracing:
+                    tracemalloc.stop()
+            if grown > _UNREAD_BYTES // 4:
+                check.fail(
+                    f"{sent >> 20} MiB written that the peer never read grew this process by "
+                    f"{grown >> 20} MiB: bound what a connection buffers (and inflates) for a "
+                    "peer that does not read, so that a slow or hostile peer blocks the "
+                    "writer instead"
+                )
+        await self._finish(client, accepted)
+
     async def _check_dead_address(self) -> None:
         limit = min(self.timeout, 2.0)
         with _checking("check_transport", "connect to a dead address", limit + 2.0) as check:
@@ -434,6 +478,7 @@ async def check_transport(
     *,
     timeout: float = 10.0,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    bounded: bool = True,
 ) -> None:
     """Check that ``transport`` can carry stagerun lanes.
 
@@ -456,6 +501,9 @@ async def check_transport(
         timeout: the deadline of each check, in seconds.
         max_frame_bytes: the largest activation payload the transport will carry (default:
             the default model's largest, a whole context of activations: 18 MiB).
+        bounded: check that bytes a peer does not read stay bounded (256 MiB of zeros
+            written must block, or not grow the process by more than 64 MiB). False only
+            for a transport unbounded by design, as the test-only `MemoryTransport` is.
 
     Whatever the outcome, every connection the suite opened is closed before it returns.
 
@@ -465,7 +513,8 @@ async def check_transport(
     if address is None:
         local_address = getattr(transport, "local_address", None)
         address = local_address("127.0.0.1") if callable(local_address) else "tcp://127.0.0.1:0"
-    await _TransportChecks(transport, str(address), timeout, max_frame_bytes).run()
+    checks = _TransportChecks(transport, str(address), timeout, max_frame_bytes, bounded)
+    await checks.run()
 
 
 # --- backends ---------------------------------------------------------------------------------
