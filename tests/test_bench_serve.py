@@ -84,7 +84,7 @@ def test_serve_command_passes_the_options_through() -> None:
     )  # fmt: skip
     assert args.clients == [1, 2, 4]  # sorted, once each
     cmd = serve_command(args, 8123)
-    assert cmd[1:4] == ["-m", "stagerun", "serve"]
+    assert cmd[1:5] == ["-P", "-m", "stagerun", "serve"]
     text = " ".join(cmd)
     assert "--port 8123" in text and "--stages 3" in text and "--hop-delay-ms 5" in text
     assert "--speculative ngram" in text and "--window 3" in text and "--max-batch 8" in text
