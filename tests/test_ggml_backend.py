@@ -358,3 +358,31 @@ def test_greedy_tokens_equal_llama_cpp_s_up_to_near_ties_on_the_real_models(name
     finally:
         del theirs
         gc.collect()
+
+
+def test_interrupt_stops_a_graph_between_its_nodes(smollm2: ModelFile) -> None:
+    """`interrupt` aborts the running graph at its next node: the item is cancelled, its cache
+    left at its position, and the backend computes on exactly as before."""
+    import threading
+    import time
+
+    from stagerun import ComputeCancelled
+
+    tokens = list(np.random.default_rng(3).integers(0, smollm2.config.vocab_size, 768))
+    backend = GgmlBackend(smollm2, (0, 10))
+    cache = backend.new_cache()
+    timer = threading.Timer(0.15, backend.interrupt)
+    started = time.perf_counter()
+    timer.start()
+    (out,) = backend.forward_batch(
+        [ForwardItem(cache, 0, tokens=tokens, should_stop=lambda: False)]
+    )
+    stopped_after = time.perf_counter() - started
+    timer.join()
+    assert isinstance(out, ComputeCancelled) and cache.length == 0
+    whole_started = time.perf_counter()
+    again = backend.forward(cache, 0, tokens=tokens)
+    whole = time.perf_counter() - whole_started
+    assert stopped_after < 0.15 + whole / 3, (stopped_after, whole)  # not the whole prefill
+    fresh = GgmlBackend(smollm2, (0, 10))
+    assert np.array_equal(again, fresh.forward(fresh.new_cache(), 0, tokens=tokens))

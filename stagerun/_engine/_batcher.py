@@ -119,6 +119,7 @@ class TickBatcher:
         self._trimmed = time.perf_counter()
         self._waiting: list[_Job] = []
         self._running: trio.Event | None = None
+        self._computing: list[_Job] = []  # the jobs of the tick whose thread runs now
         self.ticks = 0
         self.items = 0  # forwards computed (a stale one dropped before its tick is not)
         self.rows = 0
@@ -182,7 +183,7 @@ class TickBatcher:
                 if job in self._waiting:
                     self._waiting.remove(job)  # while it waited
                 else:
-                    job.abandoned = True  # while a tick computes it: it stops there
+                    self._abandon(job)  # while a tick computes it: it stops there
         if isinstance(job.outcome, BaseException):
             # Its traceback's frames hold the tick's items (activations, caches) in a cycle
             # with the exception: clear their locals (the lines stay for the log), or a peer
@@ -233,13 +234,25 @@ class TickBatcher:
             finally:
                 token.run_sync_soon(finished.set)
 
+        self._computing = jobs
         try:
             await trio.to_thread.run_sync(work, abandon_on_cancel=True)
         except trio.Cancelled:
-            own.abandoned = True
+            self._abandon(own)
             with trio.CancelScope(shield=True):  # the tick's caches are the thread's till then
                 await finished.wait()
             raise
+        finally:
+            self._computing = []
+
+    def _abandon(self, job: _Job) -> None:
+        """``job``'s caller is gone: it stops at its next layer boundary, or at once when no
+        job of the running tick is wanted any more and the backend can interrupt a graph."""
+        job.abandoned = True
+        if job in self._computing and all(j.abandoned for j in self._computing):
+            interrupt = getattr(self.backend, "interrupt", None)
+            if callable(interrupt):
+                interrupt()
 
     async def _gather(self, groups: int) -> None:
         """Wait, `GATHER_TICKS` mean ticks at most, until a group's share of decode steps waits.

@@ -40,7 +40,7 @@ from .._inputs import check_positions, forward_one, poll_stops, stage_input
 from .._layers import GgufLayers
 from ._blocks import Blocks, Layer
 from ._cores import HostCores
-from ._graph import Built, Graph, SessionRows, key_blocks
+from ._graph import Built, Graph, GraphAborted, SessionRows, key_blocks
 from ._kv import GgmlKVBlock, GgmlKVCache
 from ._lib import F32 as GGML_F32
 from ._lib import I32, load, unavailable
@@ -103,6 +103,11 @@ class GgmlBackend(GgufLayers):
         )
         self._cpu = lib.ggml_backend_cpu_init()
         lib.ggml_backend_cpu_set_n_threads(self._cpu, self.threads)
+        # The abort flag ggml reads between a graph's nodes (`interrupt`): libc's strlen of a
+        # two-byte string, nonzero once its first byte is, so no Python runs per node.
+        self._abort = ffi.new("char[2]")
+        strlen = ffi.cast("ggml_abort_callback", ffi.addressof(lib, "strlen"))
+        lib.ggml_backend_cpu_set_abort_callback(self._cpu, strlen, self._abort)
         self._pool = _sleeping_pool(ffi, lib, self.threads)
         if self._pool != ffi.NULL:
             lib.ggml_backend_cpu_set_threadpool(self._cpu, self._pool)
@@ -263,7 +268,14 @@ class GgmlBackend(GgufLayers):
             if not live:
                 break
             hi = min(n, lo + per_graph)
-            outputs = self._run(items, rows, live, lo, hi, head=hi == n)
+            self._abort[0] = b"\x00"
+            try:
+                outputs = self._run(items, rows, live, lo, hi, head=hi == n)
+            except GraphAborted:  # `interrupt`: every item left wants to stop
+                for k in live:
+                    results[k] = ComputeCancelled(f"stopped inside layers {lo}..{hi - 1}")
+                live = []
+                break
             for k, out in zip(live, outputs, strict=True):
                 rows[k] = out
             lo = hi
@@ -274,6 +286,15 @@ class GgmlBackend(GgufLayers):
         done: list[F32 | ComputeCancelled] = [r for r in results if r is not None]
         assert len(done) == len(items)
         return done
+
+    def interrupt(self) -> None:
+        """Stop the graph computing now at its next node (from any thread).
+
+        For a caller that knows every item of the running forward wants to stop (the tick
+        batcher, when all its jobs were abandoned): `forward_batch` then answers each with
+        `ComputeCancelled`, its cache back at its position. Between graphs it does nothing.
+        """
+        self._abort[0] = b"\x01"
 
     def _start(self, item: ForwardItem) -> npt.NDArray[Any]:
         """An item's input rows, its cache checked, trimmed to its position and made room in."""

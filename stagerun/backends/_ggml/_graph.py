@@ -49,6 +49,13 @@ from ._lib import F16, F32, I32, I64
 NEG_INF = np.float32(-np.inf)
 
 
+GGML_STATUS_ABORTED = 1  # ggml's enum ggml_status
+
+
+class GraphAborted(Exception):
+    """A graph's compute stopped part-way: its backend's abort flag was raised."""
+
+
 class Graph:
     """A ggml context with one graph, and its inputs (set before every compute).
 
@@ -122,6 +129,8 @@ class Graph:
                 raise ValueError(f"an input of {array.nbytes} bytes for a tensor of {nbytes}")
             ffi.memmove(tensor.data, array, nbytes)
         status = lib.ggml_backend_graph_compute(backend, self.graph)
+        if status == GGML_STATUS_ABORTED:
+            raise GraphAborted("the graph was interrupted between two of its nodes")
         if status != 0:
             raise RuntimeError(f"ggml_backend_graph_compute failed with status {status}")
 

@@ -172,6 +172,7 @@ void ggml_threadpool_free(struct ggml_threadpool * threadpool);
 void ggml_backend_cpu_set_threadpool(ggml_backend_t backend_cpu, struct ggml_threadpool * pool);
 void ggml_backend_cpu_set_abort_callback(
     ggml_backend_t backend_cpu, ggml_abort_callback abort_callback, void * abort_callback_data);
+size_t strlen(const char * s);
 int ggml_cpu_has_avx2(void);
 int ggml_cpu_has_fma(void);
 int ggml_cpu_has_f16c(void);
