@@ -212,8 +212,13 @@ class Session:
     background: list[tuple[Command, subprocess.Popen[bytes], pathlib.Path]] = attrs.Factory(list)
 
     def __attrs_post_init__(self) -> None:
-        # Relative paths the docs use: the virtual environment and the built llama.cpp.
-        for name, target in ((".venv", pathlib.Path(sys.prefix)), (".cache", ROOT / ".cache")):
+        # Relative paths the docs use: the virtual environment, the built llama.cpp, and the
+        # examples and scripts they run.
+        for name, target in (
+            (".venv", pathlib.Path(sys.prefix)),
+            (".cache", ROOT / ".cache"),
+            ("examples", ROOT / "examples"),
+        ):
             link = self.folder / name
             if not link.exists():
                 link.symlink_to(target, target_is_directory=True)
