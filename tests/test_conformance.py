@@ -715,11 +715,12 @@ class _Deflated(_Wrapped):
         )
 
 
-class _InflatedEagerly(trio.abc.Stream):
+class _InflatedEagerly(_Wrapped):
     """Reads and inflates everything the peer sends into a buffer of its own, unbounded."""
 
     def __init__(self, inner: trio.abc.Stream, nursery: trio.Nursery) -> None:
-        self.inner, self._unzip, self._buffer = inner, zlib.decompressobj(), bytearray()
+        super().__init__(inner)
+        self._unzip, self._buffer = zlib.decompressobj(), bytearray()
         self._more = trio.Event()
         self._eof = False
         nursery.start_soon(self._pump)
@@ -744,15 +745,6 @@ class _InflatedEagerly(trio.abc.Stream):
         out = bytes(self._buffer[:n])
         del self._buffer[:n]
         return out
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 class _InflatesEagerly(TcpTransport):

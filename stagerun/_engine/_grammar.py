@@ -107,10 +107,11 @@ class Grammars:
             return self._ll
 
     def check(self, grammar: str) -> None:
-        """Raise `GrammarError` naming what is wrong with ``grammar``, if anything (blocking)."""
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer())
-        if error:
-            raise GrammarError(error.strip().splitlines()[0][:500])
+        """Raise `GrammarError` naming what is wrong with ``grammar``, if anything (blocking).
+
+        It is compiled, and kept: the request's own matchers are copies of it.
+        """
+        self.matcher(grammar)
 
     def matcher(self, grammar: str) -> GrammarMatcher:
         """A matcher at the start of ``grammar`` (blocking: call it in a worker thread)."""
@@ -121,7 +122,8 @@ class Grammars:
                 return GrammarMatcher(pristine.deep_copy(), self.vocab)
         compiled = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
         if compiled.is_error():
-            raise GrammarError(f"the grammar does not compile: {compiled.get_error()[:500]}")
+            first = (compiled.get_error().strip().splitlines() or ["unknown error"])[0]
+            raise GrammarError(f"the grammar does not compile: {first[:500]}")
         with self._lock:
             self._compiled[grammar] = compiled
             while len(self._compiled) > COMPILED_KEPT:
