@@ -9,11 +9,12 @@ A template is code from the model file (or ``--chat-template``), so one render i
 a budget, as defence in depth: a deadline (``timeout``) and a size (``max_chars``) that neither
 the output nor any value the template makes or reads may exceed. The clock is read on every
 iteration of every ``{% for %}`` (each loop's iterable is wrapped when the template compiles),
-every call (macros too, so recursion is covered) and every piece of output, which are the only
-ways a template repeats work. Sizes are checked before the operations that multiply them
-(``*``, ``**``, ``+``, ``%``, integer arguments such as padding widths, format widths,
-``replace``, ``join``, ``indent``), so those never allocate beyond the budget; every other
-value is checked as the template gets it back. Any failure is a `ChatTemplateError`.
+every call (macros too, so recursion is covered), every attribute lookup and every piece of
+output, which are the only ways a template repeats work. Every filter, method and operator is
+checked before it runs, from its arguments, so that none can take long or allocate beyond the
+budget in one step (`stagerun.model._template_budget` says how); ``~`` and each written piece
+are rewritten into bounded filters when the template compiles. Any failure is a
+`ChatTemplateError`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import math
-import re
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -32,8 +30,13 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
+import jinja2.visitor
 
-from .._errors import StagerunError
+from ._template_budget import MAX_INTEGER_BITS as MAX_INTEGER_BITS
+from ._template_budget import MAX_RENDERED_CHARS as MAX_RENDERED_CHARS
+from ._template_budget import RENDER_TIMEOUT as RENDER_TIMEOUT
+from ._template_budget import ChatTemplateError as ChatTemplateError
+from ._template_budget import _Budget
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -49,21 +52,9 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-# Characters a render may write, or hold in one value: four times the largest request body
-# (4 MiB), so the biggest chat a client can send renders; no model's context holds that much.
-MAX_RENDERED_CHARS = 2**24
-# Seconds a render may take: real templates render the largest chat allowed in milliseconds.
-RENDER_TIMEOUT = 2.0
-# Bits of an integer a template may make with * and ** (about 20,000 digits): far beyond any
-# arithmetic a template does, and short of the powers that would compute for minutes.
-MAX_INTEGER_BITS = 2**16
-
-_FORMAT_NUMBER = re.compile(r"\d+")
 _LOOP_FILTER = "_stagerun_bounded_loop"  # wraps the iterable of each {% for %}
-
-
-class ChatTemplateError(StagerunError, ValueError):
-    """A chat template rejected the messages (``raise_exception``) or failed to render."""
+_CONCAT_FILTER = "_stagerun_bounded_concat"  # replaces each ``a ~ b``
+_WRITE_FILTER = "_stagerun_bounded_write"  # wraps each expression written by {{ }}
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -76,105 +67,6 @@ def _strftime_now(fmt: str) -> str:
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii)
-
-
-class _Budget:
-    """One render's deadline and size limit; the render's thread finds it in `_current`."""
-
-    def __init__(self, max_chars: int, timeout: float) -> None:
-        self.max_chars = max_chars
-        self.timeout = timeout
-        self._deadline = time.monotonic() + timeout
-
-    def __repr__(self) -> str:
-        left = self._deadline - time.monotonic()
-        return f"<_Budget max_chars={self.max_chars} {left:.3f}s left>"
-
-    def check_time(self) -> None:
-        if time.monotonic() > self._deadline:
-            raise ChatTemplateError(
-                f"the chat template ran for more than {self.timeout} s; fix the template"
-            )
-
-    def check_size(self, size: int, what: str = "a value") -> None:
-        if size > self.max_chars:
-            raise ChatTemplateError(
-                f"the chat template made {what} of {size} characters, more than the limit of "
-                f"{self.max_chars}; fix the template"
-            )
-
-    def checked(self, value: Any) -> Any:
-        """``value``, unless it is a string or container over the size limit."""
-        if isinstance(value, str | list | tuple | dict):
-            self.check_size(len(value))
-        elif type(value) is int and value.bit_length() > MAX_INTEGER_BITS:
-            raise ChatTemplateError(
-                f"the chat template made an integer of more than {MAX_INTEGER_BITS} bits"
-            )
-        return value
-
-    def check_binop(self, operator: str, left: Any, right: Any) -> None:
-        sized = (str, list, tuple)
-        if operator == "*":
-            if isinstance(left, int) and isinstance(right, sized):
-                left, right = right, left
-            if isinstance(left, sized) and type(right) is int:
-                self.check_size(len(left) * max(right, 0))
-            elif (
-                type(left) is int
-                and type(right) is int
-                and left.bit_length() + right.bit_length() > MAX_INTEGER_BITS
-            ):
-                raise ChatTemplateError(
-                    f"the chat template multiplies integers into more than {MAX_INTEGER_BITS} bits"
-                )
-        elif operator == "**" and type(left) is int and type(right) is int and abs(left) > 1:
-            if right * math.log2(abs(left)) > MAX_INTEGER_BITS:
-                raise ChatTemplateError(
-                    f"the chat template computes {left} ** {right}, an integer of more than "
-                    f"{MAX_INTEGER_BITS} bits"
-                )
-        elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
-            self.check_size(len(left) + len(right))
-        elif operator == "%" and isinstance(left, str):
-            self.check_format(left)
-
-    def check_call(self, name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-        """Before calling the function, method or filter ``name``: will the result fit?"""
-        self.check_time()
-        values = [*args, *kwargs.values()]
-        for value in values:
-            if type(value) is int and abs(value) > self.max_chars:
-                raise ChatTemplateError(
-                    f"the chat template calls {name} with {value}, more than the limit of "
-                    f"{self.max_chars}; fix the template"
-                )
-        strings = [v for v in values if isinstance(v, str)]
-        if name == "format" and strings:  # the filter: ``'%5s' | format(x)``
-            self.check_format(strings[0])
-        elif name == "replace" and len(strings) >= 3:
-            text, old, new = strings[:3]
-            count = text.count(old)
-            self.check_size(len(text) + count * (len(new) - len(old)))
-        elif name == "join":
-            items = next((v for v in values if isinstance(v, list | tuple)), ())
-            separator = len(strings[0]) if strings else 0
-            self.check_size(
-                separator * len(items) + sum(len(x) for x in items if isinstance(x, str))
-            )
-        elif name == "indent" and strings:
-            width = next((v for v in values[1:] if isinstance(v, int | str)), 4)
-            prefix = width if type(width) is int else len(str(width))
-            self.check_size(len(strings[0]) + (strings[0].count("\n") + 1) * prefix)
-
-    def check_format(self, template: str) -> None:
-        """Before formatting with ``template``: no width or precision beyond the limit."""
-        for number in _FORMAT_NUMBER.findall(template):
-            if len(number) > 9 or int(number) > self.max_chars:
-                raise ChatTemplateError(
-                    f"the chat template formats with a width of {number}, more than the limit "
-                    f"of {self.max_chars}; fix the template"
-                )
 
 
 class _BoundedLoop:
@@ -229,33 +121,90 @@ class _BoundedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     def wrap_str_format(self, value: Any) -> Any:
         """Every ``str.format`` goes through here (Jinja wraps it on access)."""
-        owner, budget = getattr(value, "__self__", None), _budget()
-        name = getattr(value, "__name__", "")
-        if budget is not None and isinstance(owner, str) and name in ("format", "format_map"):
-            budget.check_format(owner)
-        return super().wrap_str_format(value)
+        wrapped = super().wrap_str_format(value)
+        owner = getattr(value, "__self__", None)
+        if wrapped is None or not isinstance(owner, str):
+            return wrapped
+        is_map = getattr(value, "__name__", "") == "format_map"
 
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            budget = _budget()
+            if budget is not None:
+                mapping = args[0] if is_map and args and isinstance(args[0], Mapping) else None
+                budget.check_format(owner, mapping or (*args, *kwargs.values()))
+            return wrapped(*args, **kwargs)
+
+        return functools.update_wrapper(bounded, wrapped)
+
+    # Filters look attributes up per item (sort, groupby, map, ...): each lookup reads the clock.
     def getattr(self, obj: Any, attribute: str) -> Any:
         value = super().getattr(obj, attribute)
         budget = _budget()
-        return value if budget is None else budget.checked(value)
+        if budget is None:
+            return value
+        budget.check_time()
+        return budget.checked(value)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
         value = super().getitem(obj, argument)
         budget = _budget()
-        return value if budget is None else budget.checked(value)
+        if budget is None:
+            return value
+        budget.check_time()
+        return budget.checked(value)
 
 
 def _bounded_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    # a pass_context (_environment, _eval_context) filter gets that object first, then its input
+    passed = 1 if getattr(function, "jinja_pass_arg", None) is not None else 0
+
     @functools.wraps(function)  # keeps Jinja's pass_context / pass_eval_context marks
     def bounded(*args: Any, **kwargs: Any) -> Any:
         budget = _budget()
         if budget is None:
             return function(*args, **kwargs)
-        budget.check_call(name, args, kwargs)
+        budget.check_filter(name, args[passed:], kwargs)
         return budget.checked(function(*args, **kwargs))
 
     return bounded
+
+
+def _bounded_concat(parts: Sequence[Any]) -> str:
+    """``a ~ b ~ ...`` (Jinja's own ``str_join``), sized before it is joined."""
+    budget = _budget()
+    return "".join(str(p) for p in parts) if budget is None else budget.concat(parts)
+
+
+@jinja2.pass_context  # so that Jinja never folds it into a constant when it compiles
+def _bounded_write(_context: Any, value: Any) -> Any:
+    """Each piece a template writes, at the top or in a macro or block, is charged first."""
+    budget = _budget()
+    if budget is not None:
+        budget.charge_write(value)
+    return value
+
+
+class _Bounds(jinja2.visitor.NodeTransformer):
+    """Rewrites a parsed template: each loop's iterable, ``~`` and written piece bounded."""
+
+    def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        lineno = node.lineno
+        node.iter = jinja2.nodes.Filter(node.iter, _LOOP_FILTER, [], [], None, None, lineno=lineno)
+        return node
+
+    def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        parts = jinja2.nodes.Tuple(node.nodes, "load", lineno=node.lineno)
+        return jinja2.nodes.Filter(parts, _CONCAT_FILTER, [], [], None, None, lineno=node.lineno)
+
+    def visit_Output(self, node: jinja2.nodes.Output) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        node.nodes = [
+            jinja2.nodes.Filter(n, _WRITE_FILTER, [], [], None, None, lineno=n.lineno)
+            for n in node.nodes
+        ]
+        return node
 
 
 @functools.lru_cache(maxsize=8)
@@ -266,13 +215,11 @@ def _compile(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.filters[_LOOP_FILTER] = _BoundedLoop
+    env.filters[_CONCAT_FILTER] = _bounded_concat
+    env.filters[_WRITE_FILTER] = _bounded_write
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    tree = env.parse(template)
-    for loop in tree.find_all(jinja2.nodes.For):
-        loop.iter = jinja2.nodes.Filter(
-            loop.iter, _LOOP_FILTER, [], [], None, None, lineno=loop.lineno
-        )
+    tree = _Bounds().visit(env.parse(template))
     return env.from_string(tree)
 
 

@@ -6,9 +6,11 @@ vocabulary) and checks that it is a model of a known family (`stagerun.model._fa
 llama, qwen2, qwen3, phi3, gemma3, or one a plugin registers) whose tensors ``gguf.quants`` can
 dequantize (F32, F16, BF16, the legacy Q4_0...Q8_0 and the K-quants Q2_K...Q6_K).
 Before that, `check_gguf_header` walks the header once, cheaply, and refuses counts and lengths
-the file cannot hold or that pass the ``MAX_GGUF_*`` bounds: the reader spends ~1 KiB and ~12 us
-on every array item, so a hostile 50-byte file announcing millions of them would cost seconds
-and gigabytes. Nothing is dequantized then. ``ModelFile.load_weights(lo, hi, ...)``
+the file cannot hold or that pass the ``MAX_GGUF_*`` bounds (keys, tensors, array items, nested
+arrays): the reader spends kilobytes and tens of microseconds on each key, tensor and nested
+array, so a hostile file announcing millions of them would cost minutes and gigabytes. The
+walk notes where the vocabulary's strings lie, and the reader takes them from it rather than
+walking them again. Nothing is dequantized then. ``ModelFile.load_weights(lo, hi, ...)``
 dequantizes only the tensors of one stage -- the blocks ``lo..hi-1``, plus the embeddings for
 the first stage and the output norm and head for the last -- into float32 ``(out, in)`` arrays,
 the orientation a PyTorch ``nn.Linear`` uses. A tied model (no ``output.weight``) reuses
@@ -451,8 +453,8 @@ def _open_cached(path: pathlib.Path, _mtime_ns: int, _size: int) -> ModelFile:
     # Parsing the header and 49k vocabulary entries takes ~2 s; a process that opens the same
     # unchanged file again (several in-process stages, tests) reuses the read-only ModelFile.
     try:
-        check_gguf_header(path)
-        reader = GgufReader(path, "r")
+        strings = check_gguf_header(path)
+        reader = GgufReader(path, "r", strings=strings)
     except ModelError:
         raise
     except Exception as exc:

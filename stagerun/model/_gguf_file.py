@@ -7,10 +7,12 @@ with arrays read in one piece) parses it. `stagerun.model.ModelFile` is built on
 
 from __future__ import annotations
 
+import array
 import math
 import mmap
 import os
 import pathlib
+import struct
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal, overload
@@ -21,17 +23,23 @@ import numpy.typing as npt
 
 from .._errors import ModelError
 
-__all__ = ["GgufReader", "StringArray", "check_gguf_header"]
+__all__ = ["GgufReader", "StringArray", "StringIndex", "check_gguf_header"]
+
+#: Where the strings of each array of strings lie, by the offset of its first item: the
+#: ``(starts, ends)`` of their bytes. `check_gguf_header` makes it and `GgufReader` reads it.
+StringIndex = dict[int, tuple["npt.NDArray[np.int64]", "npt.NDArray[np.int64]"]]
 
 # Bounds on a GGUF header, checked before gguf.GGUFReader walks it: the reader builds numpy
-# objects for every array item (~12 us and ~1 KiB each), so a few bytes announcing a long array
-# cost seconds and gigabytes. Every count must also fit in the bytes the file has left.
-MAX_GGUF_KEYS = 1 << 16  # real models carry 30-60 metadata keys
-MAX_GGUF_TENSORS = 1 << 16  # a 30-layer llama has 272 tensors, the largest MoE files a few 1000
+# objects for every key (~45 us and ~4 KiB), tensor (~80 us, ~6 KiB) and nested array (~25 us,
+# ~2.5 KiB), so a few bytes announcing many of them cost seconds and gigabytes. Every count must
+# also fit in the bytes the file has left. At every bound at once the reader takes about 2 s.
+MAX_GGUF_KEYS = 1 << 12  # real models carry 30-60 metadata keys
+MAX_GGUF_TENSORS = 1 << 13  # a 30-layer llama has 272 tensors, a 126-layer one about 1,140
 MAX_GGUF_KEY_BYTES = 65535  # the GGUF spec's limit on a key's length
 MAX_GGUF_ARRAY_ITEMS = 1 << 20  # 4x Gemma 3's 262,144-token vocabulary (SmolLM2: 49,152)
 MAX_GGUF_METADATA_ITEMS = 1 << 21  # all arrays together: Gemma 3's tokens+scores+types ~786k
 MAX_GGUF_ARRAY_DEPTH = 2  # arrays of arrays, at most; no model nests deeper
+MAX_GGUF_NESTED_ARRAYS = 1 << 10  # arrays inside arrays, all together; llama.cpp reads none
 MAX_GGUF_DIMS = 4  # GGML_MAX_DIMS
 
 
@@ -85,8 +93,19 @@ class GgufReader(gguf.GGUFReader):
     The reader builds two numpy views per item of every array (about 12 us each), so the
     262,144 tokens, scores and types of Gemma 3's vocabulary cost 9 s. Here an array of
     numbers is one view and an array of strings one `StringArray` (read it with `value`;
-    ``ReaderField.contents()`` does not know it).
+    ``ReaderField.contents()`` does not know it). Given the `StringIndex` that
+    `check_gguf_header` made of the same file, it does not walk the strings again.
     """
+
+    def __init__(
+        self,
+        path: os.PathLike[str] | str,
+        mode: Literal["r", "r+", "c"] = "r",
+        *,
+        strings: StringIndex | None = None,
+    ) -> None:
+        self._strings: StringIndex = strings or {}
+        super().__init__(path, mode)
 
     @staticmethod
     def value(field: Any) -> Any:
@@ -111,6 +130,12 @@ class GgufReader(gguf.GGUFReader):
         if itype != gguf.GGUFValueType.STRING:
             return super()._get_field_parts(orig_offs, raw_type)
         data = memoryview(self.data)  # type: ignore[arg-type]
+        known = self._strings.get(offs)
+        if known is not None and len(known[0]) == n:
+            starts, ends = known
+            size = int(ends[-1]) - offs if n else 0
+            parts: list[Any] = [raw_itype, count, StringArray(data, starts, ends)]
+            return 12 + size, parts, [2], types
         swapped: Literal["little", "big"] = "big" if sys.byteorder == "little" else "little"
         order: Literal["little", "big"] = sys.byteorder if self.byte_order == "I" else swapped
         starts = np.empty(n, np.int64)
@@ -120,7 +145,7 @@ class GgufReader(gguf.GGUFReader):
             starts[i], ends[i] = offs + 8, offs + 8 + size
             offs += 8 + size
         strings = StringArray(data, starts, ends)
-        parts: list[Any] = [raw_itype, count, strings]  # gguf types parts as arrays
+        parts = [raw_itype, count, strings]  # gguf types parts as arrays
         return offs - orig_offs, parts, [2], types
 
 
@@ -132,12 +157,17 @@ _MIN_ITEM_BYTES = {**_SCALAR_BYTES, _STRING: 8, _ARRAY: 12}  # an empty string o
 _BLOCKS = {int(t): sizes for t, sizes in gguf.GGML_QUANT_SIZES.items()}  # elements, bytes
 
 
-def check_gguf_header(path: pathlib.Path) -> None:
+def check_gguf_header(path: pathlib.Path) -> StringIndex:
     """Walk the header of the GGUF file ``path`` and refuse sizes it cannot hold.
 
-    Reads lengths and counts only, building nothing, in time linear in the header's bytes:
-    every count of keys, tensors, array items and bytes must fit in what the file has left and
-    stay under the ``MAX_GGUF_*`` bounds. A file that is not GGUF v2/v3 is left to the reader.
+    Reads lengths and counts only, building nothing per item but two offsets for each string
+    of an array, in time linear in the header's bytes: every count of keys, tensors, array
+    items, nested arrays and bytes must fit in what the file has left and stay under the
+    ``MAX_GGUF_*`` bounds. A file that is not GGUF v2/v3 is left to the reader.
+
+    Returns:
+        where the strings of each array of strings lie, for `GgufReader` (so that the header
+        is walked once).
 
     Raises:
         ModelError: a count or length is over a bound or runs past the end of the file.
@@ -147,17 +177,19 @@ def check_gguf_header(path: pathlib.Path) -> None:
             raise ModelError(f"{path} is not a readable GGUF file (it is too short).")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             if data[:4] != b"GGUF":
-                return
+                return {}
             # A version with its low half zero was written on a machine of the other byte order.
             order: Literal["little", "big"] = "little"
             if int.from_bytes(data[4:8], order) & 0xFFFF == 0:
                 order = "big"
             if int.from_bytes(data[4:8], order) not in (2, 3):
-                return
+                return {}
+            walk = _HeaderWalk(data, order)
             try:
-                _HeaderWalk(data, order).walk()
+                walk.walk()
             except _HeaderError as exc:
                 raise ModelError(f"{path} is not a usable GGUF file: {exc}.") from None
+            return walk.string_arrays
 
 
 class _HeaderError(Exception):
@@ -171,6 +203,9 @@ class _HeaderWalk:
         self.data, self.order = data, order
         self.offset = 8  # past the magic and the version
         self.items = 0
+        self.nested = 0
+        # where the items of each array of strings start: (starts, ends) of their bytes
+        self.string_arrays: StringIndex = {}
 
     def walk(self) -> None:
         n_tensors = self.count("the tensor count", 32, MAX_GGUF_TENSORS)
@@ -227,21 +262,53 @@ class _HeaderWalk:
         elif vtype == _STRING:
             self.string(what, len(self.data))
         elif vtype == _ARRAY and depth < MAX_GGUF_ARRAY_DEPTH:
-            itype = self.uint(4, f"the item type of {what}")
-            item_bytes = _MIN_ITEM_BYTES.get(itype, 1)
-            n = self.count(f"the length of {what}", item_bytes, MAX_GGUF_ARRAY_ITEMS)
-            self.items += n
-            if self.items > MAX_GGUF_METADATA_ITEMS:
-                raise _HeaderError(
-                    f"the metadata arrays hold more than {MAX_GGUF_METADATA_ITEMS} items "
-                    f"(at {what})"
-                )
-            if itype in _SCALAR_BYTES:
-                self.take(n * _SCALAR_BYTES[itype], what)
-            else:
-                for _ in range(n):
-                    self.value(itype, f"an item of {what}", depth + 1)
+            self.array(what, depth)
         elif vtype == _ARRAY:
             raise _HeaderError(f"{what} nests arrays deeper than {MAX_GGUF_ARRAY_DEPTH}")
         else:
             raise _HeaderError(f"{what} has the unknown value type {vtype}")
+
+    def array(self, what: str, depth: int) -> None:
+        itype = self.uint(4, f"the item type of {what}")
+        item_bytes = _MIN_ITEM_BYTES.get(itype, 1)
+        n = self.count(f"the length of {what}", item_bytes, MAX_GGUF_ARRAY_ITEMS)
+        self.items += n
+        if self.items > MAX_GGUF_METADATA_ITEMS:
+            raise _HeaderError(
+                f"the metadata arrays hold more than {MAX_GGUF_METADATA_ITEMS} items (at {what})"
+            )
+        if itype == _ARRAY:  # counted before they are walked: gguf's reader is slow on them
+            self.nested += n
+            if self.nested > MAX_GGUF_NESTED_ARRAYS:
+                raise _HeaderError(
+                    f"{what} brings the nested arrays to {self.nested}, more than the limit of "
+                    f"{MAX_GGUF_NESTED_ARRAYS}"
+                )
+        if itype in _SCALAR_BYTES:
+            self.take(n * _SCALAR_BYTES[itype], what)
+        elif itype == _STRING:
+            self.strings(n, what)
+        else:
+            item = f"an item of {what}"
+            for _ in range(n):
+                self.value(itype, item, depth + 1)
+
+    def strings(self, n: int, what: str) -> None:
+        """Walk ``n`` strings in one tight loop, noting where each lies for `GgufReader`."""
+        data, first, end = self.data, self.offset, len(self.data)
+        unpack = struct.Struct("<Q" if self.order == "little" else ">Q").unpack_from
+        starts, ends = array.array("q"), array.array("q")
+        offset = first
+        for _ in range(n):
+            if offset + 8 > end:
+                raise _HeaderError(f"an item of {what} needs 8 bytes at offset {offset}")
+            (size,) = unpack(data, offset)
+            starts.append(offset + 8)
+            offset += 8 + size
+            if offset > end:
+                raise _HeaderError(
+                    f"an item of {what} is {size} bytes long; only {end - starts[-1]} follow"
+                )
+            ends.append(offset)
+        self.offset = offset
+        self.string_arrays[first] = (np.frombuffer(starts, np.int64), np.frombuffer(ends, np.int64))
