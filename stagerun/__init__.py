@@ -4,7 +4,8 @@ The public API is re-exported here; everything else lives in private modules, gr
 side of a lane they run on. The layers, lowest first; each imports only from itself and from
 layers below it (tests/test_layers.py checks this on the import graph):
 
-1. base: the error tree (``_errors``), small helpers, ``telemetry``;
+1. base: the error tree (``_errors``), small helpers, ``telemetry``, ``_orphans`` (which
+   ``import stagerun`` runs before anything heavy);
 2. ``_proto``: the wire format, sans-IO (bytes in, values out);
 3. ``_decide``: the decisions, sans-IO (windows, verdicts, speculation, pace, prefill
    planning, sampling); like ``_proto`` it never imports Trio, sockets, threads or a clock;
@@ -19,7 +20,10 @@ layers below it (tests/test_layers.py checks this on the import graph):
 12. ``_cli``: the command line and its benchmarks.
 """
 
-from . import _blas  # noqa: F401  (must run before numpy loads OpenBLAS)
+from . import (
+    _blas,  # noqa: F401  (must run before numpy loads OpenBLAS)
+    _orphans,  # noqa: F401  (before the heavy imports: a supervised child dies with its parent)
+)
 from ._driver._config import PipelineConfig as PipelineConfig
 from ._driver._config import PipelinePlan as PipelinePlan
 from ._driver._config import RecoveryPolicy as RecoveryPolicy

@@ -35,7 +35,7 @@ from hypercorn.trio import serve
 
 from stagerun import StageServer, SupervisionPolicy, open_pipeline
 from stagerun import _proto as proto
-from stagerun._driver._supervise import StageProcess
+from stagerun._driver._supervise import EXIT_WITH_PARENT_ENV, StageProcess
 from stagerun._errors import StageGivenUpError
 from stagerun._wire._auth import SECRET_FILE_ENV
 from stagerun.backends import NumpyBackend
@@ -47,6 +47,8 @@ ORPHAN_DEADLINE = 2.0  # seconds: the acceptance criterion for stages left after
 HANDSHAKE = proto.HELLO_SIZE + proto.NONCE_SIZE  # what a client with a secret sends first
 # seconds before a killed stage is restarted: the squatter binds its port well before that
 RESTART_AFTER = 1.0
+# seconds between checks that a given-up stage's port is free again
+RECHECK = 0.5
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
@@ -152,6 +154,45 @@ def test_no_stage_outlives_a_sigkilled_generate(tiny: Path, tmp_path: Path) -> N
     print(f"stage processes gone {took * 1000:.0f} ms after SIGKILL of generate")
 
 
+_PARENT = """
+import os, subprocess, sys, time
+read, _write = os.pipe()  # the write end stays here only: it closes when this process dies
+child = subprocess.Popen(sys.argv[1:], stdin=read, env={**os.environ, "%s": "1"})
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_stage_killed_while_it_imports_goes_within_milliseconds(tiny: Path) -> None:
+    """The parent dies while its stage is still starting (importing numpy and the model code,
+    about half a second): the stage must not wait for its imports to notice."""
+    took = []
+    for _ in range(3):
+        stage = [sys.executable, "-P", "-m", "stagerun", "stage", "--model", str(tiny),
+                 "--layers", "0:6", "--port", "0"]  # fmt: skip
+        parent = subprocess.Popen(
+            [sys.executable, "-c", _PARENT % EXIT_WITH_PARENT_ENV, *stage], stdout=subprocess.PIPE
+        )
+        assert parent.stdout is not None
+        with parent.stdout:
+            child = int(parent.stdout.readline())
+        time.sleep(0.05)  # the child runs the interpreter's start and begins its imports
+        assert running(child)
+        started = time.monotonic()
+        parent.kill()
+        parent.wait()
+        try:
+            while running(child):
+                assert time.monotonic() - started < ORPHAN_DEADLINE, "the stage outlived it"
+                time.sleep(0.002)
+        finally:
+            if running(child):
+                os.kill(child, signal.SIGKILL)
+        took.append(time.monotonic() - started)
+    print("stage gone " + ", ".join(f"{t * 1000:.0f}" for t in took) + " ms after its parent")
+    assert max(took) < 0.25, took
+
+
 # -- an impostor on a dead stage's port ------------------------------------------------------
 
 
@@ -226,67 +267,91 @@ def _samples(text: str) -> dict[str, float]:
     return {name: float(value) for name, value in pairs}
 
 
-async def test_a_squatter_on_a_dead_stage_port_gets_no_work_and_the_stage_is_given_up(
+async def test_a_squatter_on_a_dead_stage_port_gets_no_work_and_the_stage_returns_when_it_goes(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No secret was given: the stage processes get one of their own, so stage 0 refuses the
     squatter; the restarts that find their port taken exhaust the cap, and from then on
-    requests fail at once, naming the stage."""
+    requests fail at once, naming the stage. Once the squatter goes, the stage is started
+    again where it was, and requests are served."""
     monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
     monkeypatch.delenv("STAGERUN_SECRET", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the secret file goes
     # two exits give up: the kill, then one restart that finds the port taken
-    supervision = SupervisionPolicy(max_failures=2, probe_interval=0, backoff=RESTART_AFTER)
+    supervision = SupervisionPolicy(
+        max_failures=2, probe_interval=0, backoff=RESTART_AFTER, recheck_interval=RECHECK
+    )
     liar = Liar()
     async with (
         open_pipeline(
             tiny, stages=2, mode="processes", supervision=supervision, reply_timeout=5
         ) as pipeline,
         _http(pipeline) as client,
-        trio.open_nursery() as nursery,
     ):
         assert (await client.get("/health")).json()["status"] == "ok"
         assert len(_secret_files(tmp_path)) == 1
         process = pipeline.stages[1].process
         address = await _kill(process)
         listeners = await trio.open_tcp_listeners(_port(address), host="127.0.0.1")
-        nursery.start_soon(trio.serve_listeners, liar.handle, listeners)
-
-        health = await client.get("/health")
-        assert health.status_code == 503, health.text
-        assert health.json()["stages"][1]["state"] in ("restarting", "starting", "failed")
-        reply = await client.post("/v1/chat/completions", json=CHAT)
-        assert reply.status_code == 502, reply.text
-        # Every lane stage 0 opened to the squatter stopped at the hello and the client
-        # nonce: the squatter could not prove it holds the secret, so it got no frame.
-        assert liar.connections >= 1
-        assert [len(data) for data in liar.received] == [HANDSHAKE] * len(liar.received)
-
-        with trio.fail_after(30):
-            while process.state != "failed":  # noqa: ASYNC110 (the supervisor has no event)
+        async with trio.open_nursery() as squatting:
+            squatting.start_soon(trio.serve_listeners, liar.handle, listeners)
+            waited = await _given_up_while_squatted(pipeline, client, process, address, liar)
+            squatting.cancel_scope.cancel()
+        for listener in listeners:
+            await listener.aclose()
+        left = time.monotonic()
+        with trio.fail_after(10 * RECHECK + 10):  # a recheck, then the start (model load)
+            while process.state != "running":  # noqa: ASYNC110 (the supervisor has no event)
                 await trio.sleep(0.05)
-        entry = (await client.get("/health")).json()["stages"][1]
-        assert entry["state"] == "failed" and entry["probe"] == "unreachable"
-        assert entry["process"]["given_up"].startswith("stage 1 failed: its process exited 2")
-        metrics = _samples((await client.get("/metrics")).text)
-        assert metrics['stagerun_stage_process_state{stage="1",state="failed"}'] == 1
-        assert metrics['stagerun_stage_process_state{stage="1",state="running"}'] == 0
-        assert metrics[f'stagerun_stage_up{{stage="1",address="{address}"}}'] == 0
-
-        started = time.monotonic()
+        back = time.monotonic() - left
+        assert process.given_up is None and process.address == address
         reply = await client.post("/v1/chat/completions", json=CHAT)
-        waited = time.monotonic() - started
-        assert reply.status_code == 502
-        error = reply.json()["error"]
-        assert "stage 1 failed" in error["message"] and "retry later" not in error["message"]
-        assert error["code"] == "stage_failed"
-        assert waited < 5, f"{waited:.1f}s (the recovery timeout is 60 s)"
-        with pytest.raises(StageGivenUpError, match="stage 1 failed"):
-            await pipeline.complete("hi", max_tokens=4)
-        nursery.cancel_scope.cancel()
+        assert reply.status_code == 200, reply.text
+        assert (await client.get("/health")).json()["status"] == "ok"
     assert [len(data) for data in liar.received] == [HANDSHAKE] * len(liar.received)
     assert not _secret_files(tmp_path)  # removed with the pipeline
-    print(f"a request failed {waited * 1000:.0f} ms after the stage was given up")
+    print(
+        f"a request failed {waited * 1000:.0f} ms after the stage was given up; "
+        f"it served again {back:.2f} s after the squatter left"
+    )
+
+
+async def _given_up_while_squatted(
+    pipeline: Any, client: httpx.AsyncClient, process: StageProcess, address: str, liar: Liar
+) -> float:
+    """The stage is given up while ``liar`` holds its port; how long a request took to fail."""
+    health = await client.get("/health")
+    assert health.status_code == 503, health.text
+    assert health.json()["stages"][1]["state"] in ("restarting", "starting", "failed")
+    reply = await client.post("/v1/chat/completions", json=CHAT)
+    assert reply.status_code == 502, reply.text
+    # Every lane stage 0 opened to the squatter stopped at the hello and the client
+    # nonce: the squatter could not prove it holds the secret, so it got no frame.
+    assert liar.connections >= 1
+    assert [len(data) for data in liar.received] == [HANDSHAKE] * len(liar.received)
+
+    with trio.fail_after(30):
+        while process.state != "failed":  # noqa: ASYNC110 (the supervisor has no event)
+            await trio.sleep(0.05)
+    entry = (await client.get("/health")).json()["stages"][1]
+    assert entry["state"] == "failed" and entry["probe"] == "unreachable"
+    assert entry["process"]["given_up"].startswith("stage 1 failed: its process exited 2")
+    metrics = _samples((await client.get("/metrics")).text)
+    assert metrics['stagerun_stage_process_state{stage="1",state="failed"}'] == 1
+    assert metrics['stagerun_stage_process_state{stage="1",state="running"}'] == 0
+    assert metrics[f'stagerun_stage_up{{stage="1",address="{address}"}}'] == 0
+
+    started = time.monotonic()
+    reply = await client.post("/v1/chat/completions", json=CHAT)
+    waited = time.monotonic() - started
+    assert reply.status_code == 502
+    error = reply.json()["error"]
+    assert "stage 1 failed" in error["message"] and "retry later" not in error["message"]
+    assert error["code"] == "stage_failed"
+    assert waited < 5, f"{waited:.1f}s (the recovery timeout is 60 s)"
+    with pytest.raises(StageGivenUpError, match="stage 1 failed"):
+        await pipeline.complete("hi", max_tokens=4)
+    return waited
 
 
 async def test_health_follows_the_supervised_process_not_whoever_answers(

@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "stagerun"
 
 # Lowest first. A module may import from its own component and from lower layers only.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"_errors", "_util", "_text", "_blas", "telemetry"}),
+    ("base", {"_errors", "_util", "_text", "_blas", "_orphans", "telemetry"}),
     ("wire format", {"_proto"}),
     ("decisions", {"_decide"}),
     ("observations: every span and event", {"_spans"}),

@@ -9,7 +9,9 @@ wait is measured exactly.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -153,8 +155,12 @@ class FakeLauncher:
             child.exited.set()
 
 
-def _process(launcher: FakeLauncher, policy: SupervisionPolicy) -> StageProcess:
-    return StageProcess(1, ["stagerun", "stage"], "tcp://127.0.0.1:0", policy, spawn=launcher)
+def _process(
+    launcher: FakeLauncher, policy: SupervisionPolicy, port_free: Callable[[str], bool] = bool
+) -> StageProcess:
+    return StageProcess(
+        1, ["stagerun", "stage"], "tcp://127.0.0.1:0", policy, spawn=launcher, port_free=port_free
+    )
 
 
 def _waits(launcher: FakeLauncher) -> list[float]:
@@ -284,9 +290,10 @@ async def test_a_stage_that_keeps_exiting_is_given_up_and_says_why(
     """Its port taken by another process, a restarted stage exits before it is ready, every
     time: the supervisor stops after 5 exits in 60 s instead of looping forever."""
     launcher = FakeLauncher([Life(1.0)] + [Life(0.5, ready=False)] * 20)
+    never_again = SupervisionPolicy(probe_interval=0, recheck_interval=0)
     with trio.fail_after(STUCK):
         async with trio.open_nursery() as nursery:
-            process: StageProcess = await nursery.start(_process(launcher, NO_PROBES).run)
+            process: StageProcess = await nursery.start(_process(launcher, never_again).run)
             stage = StageInfo(1, (2, 4), ADDRESS, process=process)
             assert given_up([stage]) is None
         # run() returned on its own: nothing was cancelled
@@ -340,11 +347,83 @@ def test_the_failure_cap_comes_from_the_command_line() -> None:
 
     parser = build_parser()
     _recovery, default = recovery_from_args(parser.parse_args(["serve"]))
-    assert (default.max_failures, default.failure_window) == (5, 60.0)
+    assert (default.max_failures, default.failure_window, default.recheck_interval) == (5, 60, 2)
     args = parser.parse_args(
-        ["generate", "hi", "--max-stage-failures", "2", "--stage-failure-window", "7.5"]
-    )
+        ["generate", "hi", "--max-stage-failures", "2", "--stage-failure-window", "7.5",
+         "--stage-recheck", "0"]
+    )  # fmt: skip
     _recovery, policy = recovery_from_args(args)
-    assert (policy.max_failures, policy.failure_window) == (2, 7.5)
+    assert (policy.max_failures, policy.failure_window, policy.recheck_interval) == (2, 7.5, 0)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--max-stage-failures", "0"])
+
+
+def test_a_given_up_stage_is_rechecked_doubling_up_to_the_window() -> None:
+    policy = SupervisionPolicy()
+    assert [policy.recheck_delay(n) for n in range(7)] == [2, 4, 8, 16, 32, 60, 60]
+    assert policy.recheck_delay(10**6) == 60
+    with pytest.raises(ValueError, match="recheck_interval must be 0 or more"):
+        SupervisionPolicy(recheck_interval=-1)
+
+
+@attrs.define
+class Squatter:
+    """Holds the stage's port until ``leaves`` (fake time); counts the checks."""
+
+    leaves: float
+    checks: list[float] = attrs.field(factory=list)
+
+    def __call__(self, address: str) -> bool:
+        assert address == ADDRESS  # the address it served at, kept for every restart
+        self.checks.append(trio.current_time())
+        return trio.current_time() >= self.leaves
+
+
+async def test_a_given_up_stage_starts_again_once_its_port_is_free(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Given up after 5 quick exits (its port was taken), the stage stays failed while the
+    port is held, and is started again once it is free: it serves, and is no longer given up."""
+    launcher = FakeLauncher([Life(1.0)] + [Life(0.5, ready=False)] * 4)
+    squatter = Squatter(leaves=100.0)
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            process: StageProcess = await nursery.start(_process(launcher, NO_PROBES, squatter).run)
+            stage = StageInfo(1, (2, 4), ADDRESS, process=process)
+            while process.state != "failed":  # noqa: ASYNC110 (no event to wait on)
+                await trio.sleep(0.1)
+            failed_at = trio.current_time()
+            assert given_up([stage]) is not None and len(launcher.starts) == 5
+            assert process.given_up is not None and process.given_up.endswith(
+                f"it is started again only once {ADDRESS} can be bound; fix the cause"
+            )
+            await launcher.script_done.wait()  # the sixth start: after the squatter left
+            await trio.testing.wait_all_tasks_blocked()
+            assert process.state == "running" and given_up([stage]) is None
+            assert process.restarts == 5
+            nursery.cancel_scope.cancel()
+    assert launcher.starts[5] >= squatter.leaves
+    assert launcher.starts[5] - squatter.leaves <= NO_PROBES.recheck_interval
+    gaps = [b - a for a, b in itertools.pairwise([failed_at, *squatter.checks])]
+    assert gaps[1:] == pytest.approx([NO_PROBES.recheck_interval] * (len(gaps) - 1))
+
+
+async def test_a_revival_that_fails_again_waits_longer_before_the_next(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The cause was not the port (the start keeps failing although the port is free): one
+    attempt per recheck, each wait twice the one before, up to the failure window."""
+    launcher = FakeLauncher([Life(1.0)] + [Life(0.5, ready=False)] * 12)
+    with trio.fail_after(STUCK):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(_process(launcher, NO_PROBES).run)
+            await launcher.script_done.wait()
+            nursery.cancel_scope.cancel()
+    # 5 starts to give up, then one start per revival (the exits in the window re-give it up)
+    revival_waits = _waits(launcher)[4:]
+    assert revival_waits[:5] == pytest.approx([2.0, 4.0, 8.0, 16.0, 32.0])
+    assert max(revival_waits) == pytest.approx(60.0)  # the wait is capped at the window
+    # within any window: the 5 starts that give up, and revivals after 2, 4, 8 and 16 s
+    for i, start in enumerate(launcher.starts):
+        within = [t for t in launcher.starts[i:] if t < start + DEFAULT_FAILURE_WINDOW]
+        assert len(within) <= DEFAULT_MAX_FAILURES + 4

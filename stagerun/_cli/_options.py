@@ -11,7 +11,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._driver._config import DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES, SpeculationConfig
+from .._driver._config import (
+    DEFAULT_FAILURE_WINDOW,
+    DEFAULT_MAX_FAILURES,
+    DEFAULT_RECHECK_INTERVAL,
+    SpeculationConfig,
+)
 from .._engine import _config as engine
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
 from ._bench_options import _request_selector as _request_selector  # re-exported (tests use it)
@@ -226,12 +231,19 @@ def _reliability_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-stage-failures", type=_positive_int, default=DEFAULT_MAX_FAILURES, metavar="N",
-        help="give a local stage up (report it failed, stop restarting it) once its process "
-        f"exits N times within --stage-failure-window (default {DEFAULT_MAX_FAILURES})",
+        help="give a local stage up (report it failed, stop restarting it until its port is "
+        "free again) once its process exits N times within --stage-failure-window "
+        f"(default {DEFAULT_MAX_FAILURES})",
     )  # fmt: skip
     p.add_argument(
         "--stage-failure-window", type=_seconds, default=DEFAULT_FAILURE_WINDOW,
         metavar="SECS", help=f"see --max-stage-failures (default {DEFAULT_FAILURE_WINDOW:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--stage-recheck", type=_seconds_or_zero, default=DEFAULT_RECHECK_INTERVAL, metavar="SECS",
+        help="check a given-up stage's port every SECS (doubling after each failed start, up "
+        "to --stage-failure-window) and start the stage again when the port is free; 0 never "
+        f"does (default {DEFAULT_RECHECK_INTERVAL:g})",
     )  # fmt: skip
 
 
@@ -253,6 +265,7 @@ def recovery_from_args(args: argparse.Namespace) -> tuple[Any, Any]:
         restart=not getattr(args, "no_restart", False),
         max_failures=getattr(args, "max_stage_failures", DEFAULT_MAX_FAILURES),
         failure_window=getattr(args, "stage_failure_window", DEFAULT_FAILURE_WINDOW),
+        recheck_interval=getattr(args, "stage_recheck", DEFAULT_RECHECK_INTERVAL),
     )
     return recovery, supervision
 

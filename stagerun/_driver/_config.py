@@ -50,6 +50,7 @@ from .._wire._framed import LinkEmulation
 from ..backends._ggml._cores import shares_cores
 from ._policies import DEFAULT_FAILURE_WINDOW as DEFAULT_FAILURE_WINDOW
 from ._policies import DEFAULT_MAX_FAILURES as DEFAULT_MAX_FAILURES
+from ._policies import DEFAULT_RECHECK_INTERVAL as DEFAULT_RECHECK_INTERVAL
 from ._policies import RecoveryPolicy as RecoveryPolicy
 from ._policies import SpeculationConfig as SpeculationConfig
 from ._policies import SupervisionPolicy as SupervisionPolicy

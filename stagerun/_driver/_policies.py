@@ -19,6 +19,7 @@ from .. import _decide, plugins
 # ride out a transient cause, short enough that clients are told soon.
 DEFAULT_MAX_FAILURES = 5
 DEFAULT_FAILURE_WINDOW = 60.0  # seconds; exits older than this are forgotten
+DEFAULT_RECHECK_INTERVAL = 2.0  # seconds between port checks of a given-up stage
 
 
 @attrs.frozen
@@ -112,6 +113,10 @@ class SupervisionPolicy:
             given up (state ``failed``): it is not started again, and requests that need it
             fail at once instead of waiting for a recovery that cannot come.
         failure_window: the window, in seconds, ``max_failures`` is counted over.
+        recheck_interval: while a stage is given up, seconds between checks that its port
+            can be bound again (another process held it, or a stuck one is gone); when it
+            can, the stage is started once more. Each revival that fails doubles the wait, up
+            to ``failure_window``. 0 never starts a given-up stage again.
     """
 
     restart: bool = True
@@ -124,12 +129,15 @@ class SupervisionPolicy:
     ready_timeout: float = 120.0
     max_failures: int = DEFAULT_MAX_FAILURES
     failure_window: float = DEFAULT_FAILURE_WINDOW
+    recheck_interval: float = DEFAULT_RECHECK_INTERVAL
 
     def __attrs_post_init__(self) -> None:
         if self.max_failures < 1:
             raise ValueError(f"max_failures must be at least 1, got {self.max_failures}")
         if not self.failure_window > 0:
             raise ValueError(f"failure_window must be positive, got {self.failure_window}")
+        if not self.recheck_interval >= 0:
+            raise ValueError(f"recheck_interval must be 0 or more, got {self.recheck_interval}")
 
     def gives_up(self, exits: Sequence[float]) -> bool:
         """Whether a stage whose process exited at the times ``exits`` (oldest first, the
@@ -160,3 +168,9 @@ class SupervisionPolicy:
         if previous is None or uptime > self.stable_after:
             return self.backoff
         return min(previous * 2, self.max_backoff)
+
+    def recheck_delay(self, revivals: int) -> float:
+        """Seconds between port checks of a given-up stage after ``revivals`` failed revivals:
+        ``recheck_interval`` doubled each time, at most ``failure_window`` (a stage whose
+        cause is not its port, a model file gone, is then tried once a window)."""
+        return min(self.recheck_interval * 2.0 ** min(revivals, 32), self.failure_window)

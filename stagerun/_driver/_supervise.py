@@ -16,8 +16,10 @@ is decided by the pure `SupervisionPolicy.restart_delay`; `StageProcess.run` onl
 out. Requests that were using the stage recover on their own (`stagerun.RecoveryPolicy`):
 they wait for the restarted process and replay their committed tokens. A stage that exits
 ``max_failures`` times within ``failure_window`` seconds (`SupervisionPolicy.gives_up`: its
-port taken by another process, a model file gone) is given up: state ``failed``, never
-started again, and `given_up` tells the requests that need it to fail at once.
+port taken by another process, a model file gone) is given up: state ``failed``, and
+`given_up` tells the requests that need it to fail at once. A given-up stage is started
+again once its port can be bound (the squatter left), checked every
+`SupervisionPolicy.recheck_delay` seconds.
 
 A child must not outlive its supervisor, even one killed with SIGKILL, which runs no cleanup.
 Its stdin is the read end of a pipe whose only write end this process holds, and
@@ -38,9 +40,9 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import subprocess
 import sys
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Protocol, cast, get_args
 
@@ -49,6 +51,10 @@ import trio
 
 from .. import _proto
 from .._errors import LaneError, StageError
+from .._orphans import EXIT_WITH_PARENT_ENV as EXIT_WITH_PARENT_ENV
+from .._orphans import REMOVE_WITH_PARENT_ENV as REMOVE_WITH_PARENT_ENV
+from .._orphans import exit_with_parent as exit_with_parent
+from .._wire._address import parse_address
 from .._wire._connect import ENV_SECRET, EnvSecret, open_connection
 from ._config import SupervisionPolicy
 from ._values import StageHealth, StageInfo
@@ -61,14 +67,6 @@ STATES: tuple[State, ...] = get_args(State)
 # answers there. ("stopped": supervision has ended, with restarts off; the address is the
 # operator's again, and the handshake, with the lane secret, says whether it serves.)
 NOT_SERVING: frozenset[State] = frozenset({"starting", "restarting", "failed"})
-
-#: Set (to "1") in a child's environment by `spawn_process`: exit when stdin reaches EOF.
-EXIT_WITH_PARENT_ENV = "STAGERUN_EXIT_WITH_PARENT"
-#: A file the parent would have removed at its end (the lane secret it made for its stages):
-#: a child that outlives the parent removes it as it exits.
-REMOVE_WITH_PARENT_ENV = "STAGERUN_REMOVE_WITH_PARENT"
-# The exit status of a stage whose parent is gone (nobody is left to read it: any failure code).
-ORPHANED_EXIT_CODE = 1
 
 
 async def read_ready_line(proc: trio.Process, index: int) -> str:
@@ -178,37 +176,6 @@ async def watched_process(command: Sequence[str], **options: Any) -> AsyncIterat
         os.close(watch_write)
 
 
-def exit_with_parent(environ: Mapping[str, str] | None = None) -> None:
-    """In a child of `spawn_process`: exit at once when the supervising process is gone.
-
-    Does nothing unless ``$STAGERUN_EXIT_WITH_PARENT`` is ``1`` (a ``stagerun stage`` started
-    by hand keeps whatever stdin it was given). The wait runs on a daemon thread rather than a
-    Trio task because it must work while the event loop is busy or not yet running (a stage
-    loads its model before it serves). Nothing is left to stop gracefully once the parent is
-    gone (stage 0 was in it, and the other stages it started go too), so it ends the process
-    with `os._exit`.
-    """
-    env = os.environ if environ is None else environ
-    if env.get(EXIT_WITH_PARENT_ENV) != "1":
-        return
-    watch = threading.Thread(target=_exit_at_eof, args=(0,), name="exit-with-parent", daemon=True)
-    watch.start()
-
-
-def _exit_at_eof(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass  # the parent never writes; anything read is ignored
-    except OSError as exc:
-        log.warning("cannot watch for the parent's exit on fd %d (%s)", fd, exc)
-        return
-    leftover = os.environ.get(REMOVE_WITH_PARENT_ENV)
-    if leftover:
-        with contextlib.suppress(OSError):  # a sibling stage may have removed it first
-            os.unlink(leftover)
-    os._exit(ORPHANED_EXIT_CODE)
-
-
 @attrs.define(eq=False)
 class StageProcess:
     """One supervised ``stagerun stage`` child; its fields are the live state `/health` shows."""
@@ -226,6 +193,10 @@ class StageProcess:
     last_error: str | None = None
     given_up: str | None = None  # why the supervisor gave up (state "failed")
     spawn: Spawn = attrs.field(default=spawn_process, kw_only=True, repr=False)
+    # whether the stage's address can be bound now (a given-up stage waits for it)
+    port_free: Callable[[str], bool] = attrs.field(
+        default=lambda address: port_is_free(address), kw_only=True, repr=False
+    )
     # the lane secret the liveness probe authenticates with (that of the stages started here)
     secret: bytes | EnvSecret | None = attrs.field(default=ENV_SECRET, kw_only=True, repr=False)
 
@@ -251,14 +222,16 @@ class StageProcess:
     async def run(self, *, task_status: trio.TaskStatus[StageProcess]) -> None:
         """Start the child, report it ready, and keep it running until cancelled.
 
-        Returns once the stage is given up (`SupervisionPolicy.gives_up`), in state
-        ``failed``.
+        A stage given up (`SupervisionPolicy.gives_up`) stays in state ``failed`` until its
+        port can be bound again (`port_is_free`, every `SupervisionPolicy.recheck_delay`),
+        then is started once more; with ``recheck_interval`` 0 this returns when it gives up.
 
         Raises:
             StageError: the first start failed (a restart that fails is retried instead).
         """
         delay: float | None = None
         first = True
+        revivals = 0  # revivals of a given-up stage since it last ran stably
         # the latest exits, oldest first: all that `SupervisionPolicy.gives_up` looks at
         exits: collections.deque[float] = collections.deque(maxlen=self.policy.max_failures)
         try:
@@ -269,27 +242,46 @@ class StageProcess:
                 first = False
                 self.last_error = error
                 exits.append(trio.current_time())
+                if uptime > self.policy.stable_after:
+                    revivals = 0
                 if not self.policy.restart:
                     self.state = "stopped"
                     return
                 if self.policy.gives_up(exits):
                     self._give_up(error)
-                    return
-                delay = self.policy.restart_delay(delay, uptime)
-                self.state = "restarting"
-                log.warning(
-                    "stage %d (pid %s) exited with %s%s; restarting in %.1fs",
-                    self.index,
-                    self.pid,
-                    self.last_exit,
-                    f" ({error})" if error else "",
-                    delay,
-                )
-                await trio.sleep(delay)
+                    if self.policy.recheck_interval <= 0:
+                        return
+                    await self._until_port_free(self.policy.recheck_delay(revivals))
+                    revivals += 1
+                    delay = None
+                else:
+                    delay = self.policy.restart_delay(delay, uptime)
+                    self.state = "restarting"
+                    log.warning(
+                        "stage %d (pid %s) exited with %s%s; restarting in %.1fs",
+                        self.index,
+                        self.pid,
+                        self.last_exit,
+                        f" ({error})" if error else "",
+                        delay,
+                    )
+                    await trio.sleep(delay)
                 self.restarts += 1
         finally:
             if self.state != "failed":
                 self.state = "stopped"
+
+    async def _until_port_free(self, interval: float) -> None:
+        """Wait in state ``failed`` until the stage's port can be bound (checked every
+        ``interval`` seconds, the first time after one), then leave that state."""
+        await trio.sleep(interval)
+        while not self.port_free(self.listen):  # noqa: ASYNC110 (nothing says when it frees)
+            await trio.sleep(interval)
+        log.warning(
+            "stage %d: its address %s is free again; starting it once more", self.index, self.listen
+        )
+        self.state = "restarting"
+        self.given_up = None
 
     def _give_up(self, error: str | None) -> None:
         policy = self.policy
@@ -297,8 +289,12 @@ class StageProcess:
         self.given_up = (
             f"stage {self.index} failed: its process exited {policy.max_failures} times within "
             f"{policy.failure_window:g}s (last exit code {self.last_exit}"
-            f"{f', {error}' if error else ''}) and is not restarted again; fix the cause and "
-            "restart stagerun"
+            f"{f', {error}' if error else ''}); "
+            + (
+                f"it is started again only once {self.listen} can be bound; fix the cause"
+                if policy.recheck_interval > 0
+                else "it is not restarted again; fix the cause and restart stagerun"
+            )
         )
         log.error("%s", self.given_up)
 
@@ -370,6 +366,25 @@ class StageProcess:
                 continue
             failures = 0
             await stream.aclose_forcefully()
+
+
+def port_is_free(address: str) -> bool:
+    """Whether this process could listen on ``address``'s host and port now (the port is
+    bound and released at once, with ``SO_REUSEADDR`` as a stage binds it)."""
+    try:
+        _scheme, host, port = parse_address(address)
+        family, kind, proto, _name, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[
+            0
+        ]
+    except (ValueError, OSError):
+        return True  # not an address to check: let the start say what is wrong
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(where)
+        except OSError:
+            return False
+    return True
 
 
 async def _drain(stdout: trio.abc.ReceiveStream) -> None:

@@ -386,7 +386,7 @@ def _pipeline_families(scrape: Scrape) -> Iterator[Metric]:
         states = GaugeMetricFamily(
             "stagerun_stage_process_state",
             "1 for the state each supervised stage process is in (failed: given up after too "
-            "many exits, not restarted again), 0 for the others.",
+            "many exits, until its port is free again), 0 for the others.",
             labels=["stage", "state"],
         )
         for index, process in processes:
