@@ -98,6 +98,12 @@ def test_a_three_host_pipeline_across_namespaces(
     names, netem = hosts
     print(f"\nlink delay: {'netem' if netem else 'stagerun --hop-delay-ms (no netem here)'}")
     delay = [] if netem else ["--hop-delay-ms", str(DELAY_MS)]
+    # stages that listen beyond loopback authenticate their lanes (without a secret they
+    # refuse to start unless told --insecure)
+    secret = tmp_path / "lane.secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    secret.chmod(0o600)
+    delay += ["--secret-file", str(secret)]
     topology = tmp_path / "topology.toml"
     topology.write_text(
         f'model = "{tiny_model_path}"\n'

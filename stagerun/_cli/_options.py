@@ -105,6 +105,12 @@ def _stage_limit_options(p: argparse.ArgumentParser) -> None:
         help="the largest activation payload one upstream frame may carry (default: what the "
         "model's longest message needs, context x width in float32)",
     )  # fmt: skip
+    p.add_argument(
+        "--max-partial-bytes", type=_positive_int, default=None, metavar="N",
+        help="bytes the partial frames of all connections may hold together; past it the "
+        "stalest partial frame's connection is closed (default --max-payload-bytes + 16 MiB, "
+        "at least 32 MiB; at least --max-payload-bytes + 4 MiB)",
+    )  # fmt: skip
 
 
 def _stage_compute_options(p: argparse.ArgumentParser) -> None:
@@ -464,6 +470,11 @@ def _add_stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     stage.add_argument(
         "--no-secret", action="store_true",
         help="serve and dial without lane authentication, even with $STAGERUN_SECRET_FILE set",
+    )  # fmt: skip
+    stage.add_argument(
+        "--insecure", action="store_true", help="serve beyond loopback without a lane secret "
+        "(anyone who can reach the port can send the stage work); without it such a stage "
+        "refuses to start",
     )  # fmt: skip
     _telemetry_options(stage)
 

@@ -44,6 +44,12 @@ DEFAULT_PREFIX_CACHE_MB = 512  # per stage process; running requests win over it
 DEFAULT_MAX_CONNECTIONS = 1024  # far above an honest pipeline's lanes, standbys and probes
 DEFAULT_MAX_HANDSHAKES = 64  # honest peers take a round trip or two; pools connect one by one
 DEFAULT_IDLE_TIMEOUT = 600.0  # stage 0 replaces idle lanes found closed: minutes cost nothing
+# Partial frames of all connections together (`stagerun._wire._budget`): by default one frame
+# of the largest size (its payload, its header raw and parsed: 2.3 MiB at most, and a read) and
+# room besides for a dozen prefill chunks arriving at once; never less than 32 MiB.
+DEFAULT_MIN_PARTIAL_BYTES = 32 << 20
+PARTIAL_OVER_PAYLOAD = 4 << 20
+PARTIAL_BESIDES = 12 << 20
 # The dial of the downstream hop: each attempt's deadlines, and how long a middle stage keeps
 # retrying a downstream stage that refuses (it may still be starting).
 DEFAULT_DOWNSTREAM_CONNECT_TIMEOUT = 2.0
@@ -164,6 +170,8 @@ _CHECKS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "max_handshakes": ("at least 1", _at_least(1)),
     "idle_timeout": (f"{SECONDS} (inf: never)", lambda v: _seconds(v, inf=True)),
     "max_payload_bytes": ("at least 1", _at_least(1)),
+    "max_partial_bytes": ("None or at least 1", _optional(_at_least(1))),
+    "insecure": ("True or False", lambda v: isinstance(v, bool)),
     "prefix_cache_bytes": ("0 or more", _at_least(0)),
     "reply_timeout": (SECONDS, _seconds),
     "downstream_connect_timeout": (SECONDS, _seconds),
@@ -207,6 +215,12 @@ class StageConfig:
         max_payload_bytes: the largest activation payload one frame from an upstream lane may
             carry; ``stagerun stage`` gives what the model's longest message needs, context x
             width in float32 (`stagerun._stage._server.payload_limit`).
+        max_partial_bytes: what the partial frames of all connections may hold together; a
+            connection that needs more room closes the stalest of them
+            (`stagerun._wire._budget`). None: ``max_payload_bytes`` + 16 MiB, at least 32 MiB;
+            it must hold one payload of ``max_payload_bytes`` and 4 MiB more.
+        insecure: serve beyond loopback (and so to the network) without a lane secret; without
+            it such a stage refuses to start.
         prefix_cache_bytes: what this stage's prefix cache may hold (0: no prefix cache). It
             also holds KV positions of ``max_kv_tokens``, which requests take back when they
             need them. A backend without `ComputeBackend.export_kv` keeps none.
@@ -235,6 +249,8 @@ class StageConfig:
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES
+    max_partial_bytes: int | None = None
+    insecure: bool = False
     prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB * MIB
     reply_timeout: float = attrs.field(factory=stage_reply_timeout)
     downstream_connect_timeout: float = DEFAULT_DOWNSTREAM_CONNECT_TIMEOUT
@@ -255,6 +271,23 @@ class StageConfig:
             delay_s=self.hop_delay_ms / 1000.0,
             bandwidth_bytes_per_s=bandwidth * 125_000.0 if bandwidth else None,
         )
+
+    def partial_budget(self) -> int:
+        """The bytes partial frames may hold on this stage (`max_partial_bytes` or its default).
+
+        Raises:
+            ValueError: ``max_partial_bytes`` cannot hold a frame of ``max_payload_bytes``.
+        """
+        least = self.max_payload_bytes + PARTIAL_OVER_PAYLOAD
+        if self.max_partial_bytes is None:
+            return max(DEFAULT_MIN_PARTIAL_BYTES, least + PARTIAL_BESIDES)
+        if self.max_partial_bytes < least:
+            raise ValueError(
+                f"max_partial_bytes={self.max_partial_bytes} cannot hold one frame of "
+                f"max_payload_bytes={self.max_payload_bytes} (it needs {least}, 4 MiB more) "
+                f"@ stage {self.index}; raise --max-partial-bytes or lower --max-payload-bytes"
+            )
+        return self.max_partial_bytes
 
     def replace(self, **changes: Any) -> StageConfig:
         """A copy with ``changes`` (field names as keywords), checked again."""
@@ -345,6 +378,8 @@ class StageConfig:
             max_handshakes=args.max_handshakes,
             idle_timeout=args.idle_timeout,
             max_payload_bytes=args.max_payload_bytes or _proto.DEFAULT_MAX_PAYLOAD_BYTES,
+            max_partial_bytes=args.max_partial_bytes,
+            insecure=args.insecure,
             prefix_cache_bytes=args.prefix_cache_mb * MIB if args.prefix_cache == "on" else 0,
             reply_timeout=stage_reply_timeout() if reply is None else reply,
             downstream_connect_timeout=args.downstream_connect_timeout,
@@ -397,6 +432,8 @@ def to_argv(config: StageConfig, *, listen: bool = True) -> list[str]:
         argv += ["--no-secret"]
     elif isinstance(config.secret, SecretFile):
         argv += ["--secret-file", config.secret.path]  # the path, never the secret
+    if config.insecure:
+        argv += ["--insecure"]
     argv += ["--handshake-timeout", repr(config.handshake_timeout)]
     if config.max_batch is not None:
         argv += ["--max-batch", str(config.max_batch)]
@@ -413,6 +450,8 @@ def to_argv(config: StageConfig, *, listen: bool = True) -> list[str]:
         "--downstream-ready-timeout", repr(config.downstream_ready_timeout),
         "--downstream-retry-window", repr(config.downstream_retry_window),
     ]  # fmt: skip
+    if config.max_partial_bytes is not None:
+        argv += ["--max-partial-bytes", str(config.max_partial_bytes)]
     if config.prefix_cache_bytes:
         argv += ["--prefix-cache-mb", str(config.prefix_cache_bytes // MIB)]
     else:

@@ -22,12 +22,19 @@ early as the bytes allow:
   that the payload length is exactly what the layout needs, and that the float32 array it
   decodes to -- up to 4x a q8 payload -- is within ``max_decoded_bytes``), before the payload
   is waited for;
-* ``payload``: once the whole frame is buffered it is cut off the front of the buffer.
+* ``payload``: the payload's bytes are kept as the chunks they arrived in, and joined once
+  the last one is in.
 
-The buffer is one ``bytearray``; consuming a frame deletes it from the front, which CPython does
-without moving the rest (the buffer keeps an offset), so reading many frames from one chunk or
-one byte at a time stays linear. The f32 payload is copied once, out of the buffer into the
-array's own memory; f16 and q8 are decoded straight from the buffer. The first malformed frame
+Prefixes and headers wait in one ``bytearray``; consuming them deletes them from the front,
+which CPython does without moving the rest (the buffer keeps an offset), so reading many frames
+from one chunk or one byte at a time stays linear. A buffer with an offset grows by copying
+itself whole, so the first bytes received after a cut start a fresh buffer from what is left
+(less than a frame's header). A payload never grows a buffer: an 18 MiB payload arriving in
+256 KiB reads would be copied again at each growth, and the allocator keeps the old copies'
+memory, so a stage holding partial frames would hold much more than their bytes. As chunks,
+a partial payload holds what has arrived and no more; whole, it is copied once (f32 into the
+array's own memory, f16 and q8 into one buffer they decode from), or not at all when it came
+in one chunk the decoder owns. The first malformed frame
 puts the decoder in the ``failed`` state: every later call raises :class:`ProtocolError`, since
 the stream is out of step and the connection has to be dropped.
 """
@@ -70,6 +77,9 @@ _HEADER_KEYS: Final = frozenset({"kind", "fields"})
 _HEADER_KEYS_WITH_LAYOUT: Final = frozenset({"kind", "fields", "layout"})
 _LAYOUT_KEYS: Final = frozenset({"dtype", "rows", "cols"})
 _SHOWN_KEYS: Final = 6  # of a map with the wrong keys, in an error message
+# A parsed header waiting for its payload holds its token ids: an int and a tuple slot each
+# (a 3-byte msgpack int becomes 36 bytes: a 65,536-token header 2.3 MiB, its bytes 192 KiB).
+_PARSED_TOKEN_BYTES: Final = 36
 _Layout = tuple[ActivationDType, int, int]
 
 
@@ -245,7 +255,11 @@ class FrameDecoder:
                 raise ValueError(f"{name} must be in [0, {_MAX_U32}], got {value!r}.")
         self._max_payload_bytes = max_payload_bytes
         self._max_decoded_bytes = max_decoded_bytes
-        self._buffer = bytearray()
+        self._limit_note = ""
+        self._buffer = bytearray()  # prefixes and headers, and bytes past the payload in hand
+        self._consumed = False  # frames were cut off the front since the last receive_data
+        self._chunks: list[bytes | bytearray] = []  # the current frame's payload, so far
+        self._received = 0  # bytes in those chunks
         self._header_len = -1  # -1: the prefix of the next frame has not been read yet
         self._payload_len = 0
         self._parsed: tuple[Message, _Layout | None] | None = None
@@ -255,7 +269,36 @@ class FrameDecoder:
     @property
     def pending_bytes(self) -> int:
         """Bytes received but not yet returned as part of a whole frame."""
-        return len(self._buffer)
+        if self._parsed is None:
+            return len(self._buffer)
+        return len(self._buffer) + PREFIX_SIZE + self._header_len + self._received
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory the frame in progress holds: its bytes, and its parsed header's token ids."""
+        parsed = self._parsed
+        tokens = 0 if parsed is None else len(getattr(parsed[0], "tokens", ()))
+        return self.pending_bytes + _PARSED_TOKEN_BYTES * tokens
+
+    @property
+    def bytes_wanted(self) -> int:
+        """Bytes still to arrive before the decoder can take its next step (after
+        :meth:`next_frame` returned :data:`NEED_DATA`): the prefix, the header, or the rest of
+        the frame, as far as the bytes in hand tell."""
+        if self._parsed is not None:
+            return self._payload_len - self._received
+        end = PREFIX_SIZE if self._header_len < 0 else PREFIX_SIZE + self._header_len
+        return max(0, end - len(self._buffer))
+
+    def limit_payloads(self, max_payload_bytes: int, *, note: str = "") -> None:
+        """Change the payload limit (and the decoded one with it) for frames whose prefix has
+        not been read yet; ``note`` ends the error that refuses a frame over it."""
+        if type(max_payload_bytes) is not int or not 0 <= max_payload_bytes <= _MAX_U32:
+            raise ValueError(
+                f"max_payload_bytes must be in [0, {_MAX_U32}], got {max_payload_bytes!r}."
+            )
+        self._max_payload_bytes = self._max_decoded_bytes = max_payload_bytes
+        self._limit_note = note
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Append bytes that arrived from the peer.
@@ -264,7 +307,24 @@ class FrameDecoder:
             ProtocolError: the decoder already failed on an earlier frame.
         """
         self._check_usable()
+        missing = self._payload_len - self._received if self._parsed is not None else 0
+        if missing > 0:  # payload bytes go to the chunks, whatever follows to the buffer
+            if len(data) <= missing:
+                self._chunks.append(data if type(data) is bytes else bytes(data))
+                self._received += len(data)
+                return
+            self._chunks.append(bytes(memoryview(data)[:missing]))
+            self._received += missing
+            data = memoryview(data)[missing:]
+        if self._consumed:  # see the module docstring: grow from a buffer with no offset
+            self._buffer = bytearray(self._buffer)
+            self._consumed = False
         self._buffer += data
+
+    def discard(self, reason: str) -> None:
+        """Drop every byte held and fail: the connection is being closed (``reason``)."""
+        self._buffer, self._chunks, self._received = bytearray(), [], 0
+        self._failure = reason
 
     def next_frame(self) -> Frame | type[NEED_DATA]:
         """Return the next whole frame, or :data:`NEED_DATA` if its bytes have not all arrived.
@@ -299,23 +359,27 @@ class FrameDecoder:
             if payload_len > self._max_payload_bytes:
                 raise ProtocolError(
                     f"a frame announces a {payload_len}-byte payload, more than the limit of "
-                    f"{self._max_payload_bytes} bytes."
+                    f"{self._max_payload_bytes} bytes{self._limit_note}."
                 )
             self._header_len, self._payload_len = header_len, payload_len
-        header_end = PREFIX_SIZE + self._header_len
         if self._parsed is None:
+            header_end = PREFIX_SIZE + self._header_len
             if len(buffer) < header_end:
                 return NEED_DATA
             self._parsed = _parse_header(buffer[PREFIX_SIZE:header_end], self._payload_len)
             self._check_decoded_size(*self._parsed)
-        frame_end = header_end + self._payload_len
-        if len(buffer) < frame_end:
+            # What the buffer holds of the payload becomes its first chunk.
+            taken = min(len(buffer) - header_end, self._payload_len)
+            if taken:
+                self._chunks.append(buffer[header_end : header_end + taken])
+                self._received = taken
+            del buffer[: header_end + taken]
+            self._consumed = True
+        if self._received < self._payload_len:
             return NEED_DATA
         message, layout = self._parsed
-        activations = (
-            None if layout is None else self._decode_payload(header_end, frame_end, layout)
-        )
-        del buffer[:frame_end]
+        activations = None if layout is None else self._decode_payload(layout)
+        self._chunks, self._received = [], 0
         self._header_len, self._payload_len, self._parsed = -1, 0, None
         self._frames += 1
         return Frame(message, activations)
@@ -333,16 +397,15 @@ class FrameDecoder:
                 f"{self._max_decoded_bytes} bytes."
             )
 
-    def _decode_payload(self, start: int, end: int, layout: _Layout) -> npt.NDArray[np.float32]:
+    def _decode_payload(self, layout: _Layout) -> npt.NDArray[np.float32]:
         dtype, rows, cols = layout
-        view = memoryview(self._buffer)[start:end]
-        try:
-            # f32 decodes to a view of what it is given, so it gets one copy of its own (writable);
-            # f16 and q8 build a new array, so they read the buffer in place.
-            payload = bytearray(view) if dtype == "f32" else view
-            return decode_activations(payload, dtype, rows, cols)
-        finally:
-            del view  # the buffer cannot shrink while a view of it is alive
+        chunks = self._chunks
+        payload = chunks[0] if len(chunks) == 1 else bytearray().join(chunks)
+        # f32 decodes to a view of what it is given, so it needs a writable buffer of its own
+        # (a joined one, or one cut from the decoder's buffer); f16 and q8 build a new array.
+        if dtype == "f32" and type(payload) is not bytearray:
+            payload = bytearray(payload)
+        return decode_activations(payload, dtype, rows, cols)
 
     def __repr__(self) -> str:
         if self._failure is not None:
@@ -353,7 +416,7 @@ class FrameDecoder:
             state = "header" if self._parsed is None else "payload"
             frame_len = PREFIX_SIZE + self._header_len + self._payload_len
             state = f"{state} frame_bytes={frame_len}"
-        return f"<FrameDecoder state={state} buffered={len(self._buffer)} frames={self._frames}>"
+        return f"<FrameDecoder state={state} buffered={self.pending_bytes} frames={self._frames}>"
 
 
 def decode_frame(

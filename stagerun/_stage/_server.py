@@ -24,6 +24,23 @@ quiet longest (an idle lane, which stage 0 replaces when it finds it closed at c
 connection that carries no byte either way for ``idle_timeout`` is closed. At start the
 open-file limit is raised to its hard limit, and ``max_connections`` kept below it, so the
 stage never runs out of files for an honest peer or for its own downstream hops.
+
+Partial frames: a peer that sends all of a frame but its last byte makes the stage hold what it
+sent, so what partial frames hold is bounded per connection and over the stage. Until a lane
+has sent its first ``Configure``, its frames carry at most `PRE_REQUEST_PAYLOAD_BYTES` of
+activations (a decode or a short verify window, which gets its "not configured" ``Error``); a
+return connection's carry none (stage 0 never writes there). A prefix that announces more
+closes the connection before anything more is read, so such a connection holds a header (1 MiB
+at most) and 64 KiB. After a ``Configure``, a lane's payloads may reach ``max_payload_bytes``
+(the model's longest message). All connections' partial frames together hold at most
+``max_partial_bytes`` (`stagerun._wire._budget`): a frame's bytes are read only as they
+arrive, each read charged before it is made, and when a connection needs room the stalest
+partial frame (the one longest without a byte) gives way: its connection is closed. A flood
+of partial frames holds the budget only until someone else is receiving.
+
+Who may connect: a stage without a lane secret that listens beyond loopback refuses to start
+unless ``insecure`` (``--insecure``) says so; on loopback it warns that any local process can
+hand it work.
 """
 
 from __future__ import annotations
@@ -44,21 +61,28 @@ from .._engine._config import DEFAULT_MAX_HANDSHAKES as DEFAULT_MAX_HANDSHAKES
 from .._engine._config import StageConfig
 from .._errors import LaneError, LaneHandshakeError, ProtocolError, StageError
 from .._util import FD_RESERVE, raise_open_file_limit
-from .._wire._address import parse_address
-from .._wire._auth import SECRET_FILE_ENV, is_loopback
+from .._wire._budget import PartialFrameBudget, PartialFrames
 from .._wire._connect import alternatives
 from .._wire._framed import FrameStream, server_handshake
 from ..abc import ComputeBackend
 from ..model import ModelFile
-from ..transports._websocket import parse_ws_address
 from ._connections import Connection, ConnectionTable, TrackedStream
+from ._exposure import PLAIN_SCHEMES as PLAIN_SCHEMES
+from ._exposure import _warn_if_open as _warn_if_open  # tests call it
+from ._exposure import check_exposure
 from ._worker import LaneWorker
 
 log = logging.getLogger("stagerun.stage")
 
 SINK_WAIT_SECONDS = 5.0
 PRESSURE_LOG_SECONDS = 10.0  # one warning this often at most about connections closed for room
-PLAIN_SCHEMES = ("tcp", "ws")  # transports whose frames cross the network unprotected
+# The activations one frame may carry on a lane before its first Configure, and why more is
+# refused (a return connection's frames carry none).
+PRE_REQUEST_PAYLOAD_BYTES = 64 << 10
+NO_PAYLOAD_YET = (
+    f" (before its first Configure a lane's frames carry at most {PRE_REQUEST_PAYLOAD_BYTES} "
+    "bytes of activations, a return connection's none)"
+)
 
 
 class StageServer:
@@ -111,6 +135,7 @@ class StageServer:
         self.max_connections = config.max_connections  # as asked; `connection_limit` holds
         self.idle_timeout = config.idle_timeout
         self.max_payload_bytes = config.max_payload_bytes
+        self.partial_frames = PartialFrameBudget(config.partial_budget())
         self.turned_away = 0  # connections closed to stay within the limits
         self.idled_out = 0  # connections closed after idle_timeout without a byte
         self._connections = ConnectionTable(
@@ -128,6 +153,7 @@ class StageServer:
             f"<StageServer index={self.index} layers={lo}..{hi} address={self.address} "
             f"connections={len(self._connections)}/{self.connection_limit} "
             f"lanes={self.lanes_open} sinks={len(self._sinks)} sessions={self.sessions_open} "
+            f"partial={self.partial_frames.held}/{self.partial_frames.max_bytes} "
             f"computes={self.computes} stale_dropped={self.stale_dropped} "
             f"stale_stopped={self.stale_stopped}>"
         )
@@ -197,7 +223,7 @@ class StageServer:
             for candidate in alternatives(self.downstream):
                 plugins.transport_for(candidate)
         transport = plugins.transport_for(address)
-        _warn_if_open(address, self.secret, self.index)
+        check_exposure(address, self.secret, self.index, insecure=self.config.insecure)
         self._limit_connections(raise_open_file_limit())
         async with trio.open_nursery() as nursery:
             if self.idle_timeout < math.inf:
@@ -281,14 +307,19 @@ class StageServer:
         conn = Connection(peer, trio.current_time())
         for victim, reason in self._connections.admit(conn):
             self._turn_away(victim, reason)
+        partial = self.partial_frames.account(peer, lambda why: self._turn_away(conn, why))
         try:
             with conn.scope:
-                await self._serve_connection(TrackedStream(stream, conn, self._connections), conn)
+                tracked = TrackedStream(stream, conn, self._connections)
+                await self._serve_connection(tracked, conn, partial)
         finally:
+            partial.release()
             self._connections.discard(conn)
             await trio.aclose_forcefully(stream)
 
-    async def _serve_connection(self, stream: trio.abc.Stream, conn: Connection) -> None:
+    async def _serve_connection(
+        self, stream: trio.abc.Stream, conn: Connection, partial: PartialFrames
+    ) -> None:
         peer = conn.peer
         try:
             framed, hello = await server_handshake(
@@ -298,12 +329,15 @@ class StageServer:
                 check=self._check_hello,
                 link=self.link,
                 secret=self.secret,
-                max_payload_bytes=self.max_payload_bytes,
+                max_payload_bytes=0,  # see "Partial frames" above
+                partial=partial,
             )
         except LaneHandshakeError as exc:
             self.refused += 1
             log.info("stage %d: %s", self.index, exc)
             return
+        before_configure = 0 if hello.role == _proto.Role.RETURN else PRE_REQUEST_PAYLOAD_BYTES
+        framed.limit_payloads(min(before_configure, self.max_payload_bytes), note=NO_PAYLOAD_YET)
         self._connections.established(conn)
         if hello.role == _proto.Role.RETURN:
             await self._park_sink(framed, hello.key, conn)
@@ -353,37 +387,6 @@ class StageServer:
                     await self._sink_parked.wait()
                 return self._sinks[key]
         raise StageError(f"stage {self.index} has no return connection for this lane")
-
-
-def _warn_if_open(address: str, secret: bytes | None, index: int) -> None:
-    """Warn when a stage listens beyond this machine without a lane secret, or in the clear."""
-    scheme = address.partition("://")[0] if "://" in address else "tcp"
-    try:
-        if scheme in ("ws", "wss"):
-            host, _port, _path = parse_ws_address(address)
-        else:
-            _scheme, host, _port = parse_address(address)
-    except ValueError:
-        return  # a plugin's address form (unix://...): its own business
-    if is_loopback(host):
-        return
-    if secret is None:
-        log.warning(
-            "stage %d serves %s without lane authentication: anyone who can reach it can "
-            "send it work. Give every stage the same --secret-file (or $%s).",
-            index,
-            address,
-            SECRET_FILE_ENV,
-        )
-    elif scheme in PLAIN_SCHEMES:
-        log.warning(
-            "stage %d serves %s in the clear: the lane secret authenticates each connection, "
-            "but the frames after the handshake are neither encrypted nor protected against "
-            "tampering, so anyone on the network path can read or change them. Serve on "
-            "tls:// or wss:// to protect them.",
-            index,
-            address,
-        )
 
 
 def _lane_errors(exc: Exception) -> list[LaneError] | None:

@@ -14,6 +14,10 @@ What each message makes the stage do is not decided here: the lane's sans-IO cor
 `stagerun._proto._stage_lane.StageLane`, turns every message (and every outcome this shell
 reports back) into commands, reading the lane's table; this shell carries them out.
 
+A lane's frames carry little activation data (64 KiB) until the reader has read its first
+``Configure`` (see "Partial frames" in `stagerun._stage._server`); from then on they may carry
+the stage's ``max_payload_bytes``.
+
 A frame that no honest upstream sends -- a malformed one, a reply kind, a request over the
 lane's session limit -- is a `ProtocolError`: the lane closes and the stage counts it
 (``protocol_errors``). A well-formed request that cannot be carried out (an unknown request,
@@ -130,6 +134,8 @@ class LaneWorker:
                 spans.stage_received(self.server.index, frame.message, started)
                 if isinstance(frame.message, _proto.Cancel):  # applied the moment it is read
                     await self._carry_out_all(self.lane.read_ahead(frame.message))
+                elif isinstance(frame.message, _proto.Configure):  # a lane: activations may come
+                    self.up.limit_payloads(self.server.config.max_payload_bytes)
                 self._queue.put(frame)
         except LaneError as exc:  # upstream went away: the chain is over once the queue is done
             if isinstance(exc.__cause__, ProtocolError):

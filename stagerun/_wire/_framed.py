@@ -10,6 +10,13 @@ The handshake is symmetric to the wire description in docs/architecture.md: the 
 fixed-size hello and waits for READY (or a refusal with a reason); the server reads the hello
 with a deadline, refuses anything it does not understand before reading further, and answers.
 Every failure is translated into the `LaneError` tree at this boundary.
+
+On a stage, what a peer's partial frames make it hold is bounded twice: a frame over the
+stream's payload limit is refused from its prefix (`FrameStream.limit_payloads`), and with a
+`PartialFrames` account every read of a frame in progress is charged to the stage's
+`stagerun._wire._budget.PartialFrameBudget` before it is made. Such a stream reads a frame's
+bytes only as they arrive, at most 256 KiB at a time, and between frames at most 4 KiB (charged
+when it lands), so an idle connection holds no room.
 """
 
 from __future__ import annotations
@@ -32,8 +39,12 @@ from .._errors import (
     LaneTimeoutError,
     ProtocolError,
 )
+from ._budget import PartialFrames
 
 _RECEIVE_SIZE = 1 << 18
+# A budgeted stream's read when it holds nothing: a decode frame (~2.4 KB) in one read, and the
+# most an idle connection's next read brings in before it is charged.
+_IDLE_READ = 4096
 #: Seconds a stage gives a connecting peer to finish its side of the handshake.
 DEFAULT_HANDSHAKE_TIMEOUT = 10.0
 
@@ -85,6 +96,8 @@ class FrameStream:
         peer: a human-readable name of the other end, used in error messages.
         leftover: bytes already read past the handshake; they are parsed as frames.
         max_payload_bytes: the largest activation payload accepted from the peer.
+        partial: this connection's account in its stage's budget for partial frames (None:
+            reads are not budgeted, as on the connections a stage or stage 0 dials).
     """
 
     def __init__(
@@ -95,10 +108,14 @@ class FrameStream:
         leftover: bytes = b"",
         max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
         link: LinkEmulation = NO_EMULATION,
+        partial: PartialFrames | None = None,
     ) -> None:
         self.stream = stream
         self.peer = peer
+        self.partial = partial
         self._decoder = _proto.FrameDecoder(max_payload_bytes=max_payload_bytes)
+        if partial is not None:
+            partial.drop = self._decoder.discard
         if leftover:
             self._decoder.receive_data(leftover)
         self._broken: str | None = None
@@ -116,6 +133,11 @@ class FrameStream:
     @property
     def broken(self) -> bool:
         return self._broken is not None or self._closed
+
+    def limit_payloads(self, max_payload_bytes: int, *, note: str = "") -> None:
+        """Accept payloads of at most ``max_payload_bytes`` in frames not yet begun; ``note``
+        ends the error that refuses a larger one (it says why the limit is what it is)."""
+        self._decoder.limit_payloads(max_payload_bytes, note=note)
 
     async def send(
         self,
@@ -178,16 +200,48 @@ class FrameStream:
             raise LaneBrokenError(f"connection to {self.peer} lost while reading") from exc
 
     async def _next_frame(self) -> _proto.Frame:
+        decoder, partial = self._decoder, self.partial
         while True:
-            frame = self._decoder.next_frame()
+            frame = decoder.next_frame()
             if isinstance(frame, _proto.Frame):
+                if partial is not None:
+                    partial.settle(decoder.held_bytes)  # the frame is the caller's now
                 return frame
-            data = await self.stream.receive_some(_RECEIVE_SIZE)
+            size = _RECEIVE_SIZE if partial is None else await self._budgeted_read(partial)
+            data = await self.stream.receive_some(size)
             if not data:
                 self._broken = "closed by peer"
                 raise LaneBrokenError(f"{self.peer} closed the connection")
             self._chunk_time = trio.current_time()
-            self._decoder.receive_data(data)
+            if partial is not None:
+                self._check_not_evicted(partial)  # its decoder was emptied meanwhile
+            decoder.receive_data(data)
+            if partial is not None:
+                partial.settle(decoder.held_bytes)
+
+    def _check_not_evicted(self, partial: PartialFrames) -> None:
+        if partial.evicted is not None:
+            self._broken = "closed to make room"
+            raise LaneBrokenError(f"connection to {self.peer} closed: {partial.evicted}")
+
+    async def _budgeted_read(self, partial: PartialFrames) -> int:
+        """The next read's size, its room reserved in the stage's budget for partial frames."""
+        decoder = self._decoder
+        while True:
+            self._check_not_evicted(partial)
+            partial.settle(decoder.held_bytes)
+            if not decoder.pending_bytes:
+                return _IDLE_READ  # charged when it lands: an idle connection holds no room
+            granted = partial.reserve(min(_RECEIVE_SIZE, max(decoder.bytes_wanted, _IDLE_READ)))
+            if granted:
+                return granted
+            if partial.budget.only_holder(partial):
+                self._broken = "over the partial-frame budget"
+                raise LaneBrokenError(
+                    f"{self.peer} sent a frame larger than the stage's budget for partial "
+                    f"frames ({partial.budget.max_bytes} bytes; raise --max-partial-bytes)"
+                )
+            await partial.budget.wait_for_room()  # closed holders finish their reads
 
     def _delivery_time(self, frame: _proto.Frame) -> float:
         if not self.link.active:
@@ -311,6 +365,7 @@ async def server_handshake(
     link: LinkEmulation = NO_EMULATION,
     secret: bytes | None = None,
     max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES,
+    partial: PartialFrames | None = None,
 ) -> tuple[FrameStream, _proto.Hello]:
     """Read and check the client's hello, authenticate it, answer READY; return the stream.
 
@@ -319,7 +374,8 @@ async def server_handshake(
     objects to (it returns a reason) gets a refusal and raises `LaneHandshakeError`.
 
     ``hello_timeout`` bounds everything the client sends (hello, nonce and proof), so a peer
-    that connects and stalls holds the connection for that long at most.
+    that connects and stalls holds the connection for that long at most. ``max_payload_bytes``
+    and ``partial`` are the stream's (`FrameStream`).
     """
 
     waiting_for = "hello"
@@ -376,7 +432,10 @@ async def server_handshake(
         await stream.send_all(_proto.encode_ready())
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
         raise LaneHandshakeError(f"connection to {peer} lost during the handshake") from exc
-    return FrameStream(stream, peer=peer, link=link, max_payload_bytes=max_payload_bytes), hello
+    framed = FrameStream(
+        stream, peer=peer, link=link, max_payload_bytes=max_payload_bytes, partial=partial
+    )
+    return framed, hello
 
 
 async def _refuse(stream: trio.abc.Stream, reason: str) -> None:
