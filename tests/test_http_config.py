@@ -26,6 +26,10 @@ INVALID: dict[str, Any] = {
     "body_timeout": math.nan,
     "health_timeout": 0,
     "max_connections": 0,
+    "max_connections_per_client": 0,
+    "max_bodies_per_client": -1,
+    "prefix_share": "everyone",
+    "metrics_auth": "open",
 }
 # Any key passes here: `resolve_api_key` refuses an empty one, or a key given twice.
 UNCHECKED = {"api_key", "api_key_file"}

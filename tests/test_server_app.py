@@ -221,8 +221,10 @@ async def test_api_key_guards_v1_and_request_ids_are_echoed(tiny: Path) -> None:
         assert models.status_code == 200
         assert [m["id"] for m in models.json()["data"]] == ["tiny"]
         assert len(models.headers["x-request-id"]) == 36  # a fresh UUID
-        assert (await client.get("/health")).status_code == 200  # open without a key
-        assert (await client.get("/metrics")).status_code == 200
+        health = await client.get("/health")  # open without a key, but liveness alone
+        assert (health.status_code, health.json()) == (200, {"status": "ok"})
+        assert (await client.get("/metrics")).status_code == 401
+        assert (await client.get("/metrics", headers=auth)).status_code == 200
         ok = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 3}, headers=auth)
         assert ok.status_code == 200
         # The pipeline's own name is accepted as an alias of the served id.

@@ -21,6 +21,7 @@ from .._engine import _config as engine
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT
 from ._bench_options import _request_selector as _request_selector  # re-exported (tests use it)
 from ._bench_options import add_bench_parsers
+from ._http_options import http_options
 from ._pipeline_options import (
     _add_pipeline_options,
     _link_options,
@@ -337,50 +338,6 @@ def _admission_options(serve: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _http_options(serve: argparse.ArgumentParser) -> None:
-    from ..server._config import (
-        DEFAULT_BODY_TIMEOUT,
-        DEFAULT_REQUEST_TIMEOUT,
-        DEFAULT_WRITE_TIMEOUT,
-    )
-
-    serve.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*; every "
-        "user of this machine can read it in the process list, so prefer --api-key-file or "
-        "$STAGERUN_API_KEY (an empty key is an error)"
-    )  # fmt: skip
-    serve.add_argument(
-        "--api-key-file", default=None, metavar="PATH",
-        help="require the API key in PATH (private to this user: chmod 600; default "
-        "$STAGERUN_API_KEY_FILE)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--allowed-hosts", default=None, metavar="HOSTS",
-        help="more Host headers to answer, comma-separated (api.example.com, name:port, or * "
-        "for any); always answered: the --host address, localhost, 127.0.0.1, [::1], and, "
-        "beyond loopback, this machine's host name (and, bound to 0.0.0.0 or ::, any IP address)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--request-timeout", type=_seconds, default=DEFAULT_REQUEST_TIMEOUT, metavar="SECS",
-        help="the most a generation request may take from its arrival, queue wait included; "
-        f"then 504 (default {DEFAULT_REQUEST_TIMEOUT:g})",
-    )  # fmt: skip
-    serve.add_argument(
-        "--write-timeout", type=_seconds, default=DEFAULT_WRITE_TIMEOUT, metavar="SECS",
-        help="a client that takes none of its answer for SECS loses its request and its "
-        f"connection (default {DEFAULT_WRITE_TIMEOUT:g})",
-    )  # fmt: skip
-    serve.add_argument(
-        "--body-timeout", type=_seconds, default=DEFAULT_BODY_TIMEOUT, metavar="SECS",
-        help=f"a request body must arrive within SECS, else 408 (default {DEFAULT_BODY_TIMEOUT:g})",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-connections", type=int, default=None, metavar="N",
-        help="HTTP connections open at once; beyond, the longest idle one is closed (default: "
-        "what the open-file limit leaves room for, at most 1024)",
-    )  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stagerun", description="Run one language model split by layers across stages."
@@ -506,7 +463,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     _telemetry_options(serve)
     serve.add_argument("--wire-dtype", choices=["f32", "f16", "q8"], default="f32")
     _plugin_options(serve)
-    _http_options(serve)
+    http_options(serve, _seconds)
     serve.add_argument(
         "--max-tokens-default", type=int, default=None, metavar="N",
         help="tokens a chat request that names no max_tokens gets (default 512; "

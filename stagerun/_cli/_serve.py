@@ -40,6 +40,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         write_timeout=args.write_timeout,
         body_timeout=args.body_timeout,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+        max_bodies_per_client=args.max_bodies_per_client,
+        prefix_share=args.prefix_share,
+        metrics_auth=args.metrics_auth,
     )
 
 

@@ -4,8 +4,15 @@ Theory of operation: before a request can be priced it must be tokenized, and to
 rendering a chat template) is CPU work that must not run on the event loop: `Admission.tokenize`
 runs it in one of a few worker threads (``tokenizer_threads``), and a bounded number of
 requests (``max_tokenizing``) may be in that line at once; beyond that it refuses too. Text
-reaches it only once `prompt_char_limit` has bounded it by the model's context, so each job is
-short.
+reaches it only once `prompt_char_limit` has bounded it by the model's context.
+
+Tokenizing counts against the request's deadline: the job carries a `CpuBudget`, the caller
+waits no longer than the deadline (504), and the job checks the budget between pieces of work,
+so one its caller gave up stops within a piece. `encode_within` tokenizes a long text in
+pieces of `PIECE_CHARS` and stops once the pieces hold more tokens than the context: a prompt
+far over the context costs a few pieces, not the whole text. Jobs are short (at most
+`SHORT_JOB_CHARS`) or long; long ones never take the last tokenizer thread nor the last places
+in line, so a flood of long prompts cannot hold up short ones.
 
 Then (decide, then do): `Admission.try_admit` decides synchronously whether the request runs
 now, waits in line, or is refused (the handler answers 429 with ``Retry-After``). A request
@@ -28,8 +35,10 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+import math
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import trio
 
@@ -45,9 +54,16 @@ MODEST_REQUEST_TOKENS = 1024  # a prompt plus the chat default of 512 new tokens
 # while one long prompt is tokenized, and leave the other cores to the stages.
 TOKENIZER_THREADS = 2
 # Requests tokenizing or waiting for a tokenizer thread before 429: each holds its body (at
-# most 4 MiB) meanwhile, and at ~0.5 s for the longest prompt a context allows, the last one
-# waits ~8 s.
+# most 4 MiB) meanwhile; a quarter of the places are for short jobs only.
 MAX_TOKENIZING = 32
+# Characters tokenized at a time when a long text is counted (10-20 ms of work): the most a job
+# runs past its budget, and the granularity at which a text over the context is found out.
+PIECE_CHARS = 32_768
+# A text of at most this many characters per token of room is tokenized whole at once: honest
+# text has 3-5 (code and other languages fewer), so only texts likely over the context, or
+# very dense, are counted in pieces first.
+WHOLE_CHARS_PER_TOKEN = 6
+SHORT_JOB_CHARS = PIECE_CHARS  # jobs this small take any thread and any place in line
 
 
 @functools.lru_cache(maxsize=16)
@@ -66,6 +82,111 @@ def prompt_char_limit(tokenizer: Tokenizer, context_length: int) -> int:
     would: it is what lets a handler refuse a 4 MB prompt without tokenizing it.
     """
     return max(context_length - 1, 0) * _longest_token_chars(tokenizer)
+
+
+class CpuBudgetExceeded(Exception):
+    """The request's time ran out while its prompt was tokenized or rendered (a 504)."""
+
+
+class CpuBudget:
+    """How long one request's tokenizing and rendering may run: until the request's deadline,
+    or until its caller gave the job up (`cancel`). The worker thread calls `check` between
+    pieces of work, and gives a chat template the time `left`.
+
+    Args:
+        deadline: ``trio.current_time()`` when the request runs out of time (inf: never).
+    """
+
+    def __init__(self, deadline: float = math.inf) -> None:
+        self.deadline = deadline
+        left = deadline - trio.current_time() if math.isfinite(deadline) else math.inf
+        self._until = time.monotonic() + left  # the worker thread has no Trio clock
+        self._cancelled = False
+
+    def __repr__(self) -> str:
+        return f"<CpuBudget {self.left():.3f}s left cancelled={self._cancelled}>"
+
+    def left(self) -> float:
+        """Seconds left (negative: past the deadline)."""
+        return self._until - time.monotonic()
+
+    def cancel(self) -> None:
+        """Stop the job at its next `check` (its caller left; called from the Trio thread)."""
+        self._cancelled = True
+
+    def check(self) -> None:
+        """Raise `CpuBudgetExceeded` if the job is to stop."""
+        if self._cancelled or self.left() <= 0:
+            raise CpuBudgetExceeded("the request ran out of time while its prompt was tokenized")
+
+
+def _cut(text: str, start: int) -> int:
+    """Where the piece of ``text`` from ``start`` ends: at most `PIECE_CHARS` on, before a
+    space or line break in its second half if there is one (most tokenizers split words there,
+    so the pieces tokenize as the whole text does)."""
+    end = start + PIECE_CHARS
+    if end >= len(text):
+        return len(text)
+    low = start + PIECE_CHARS // 2
+    split = max(text.rfind(" ", low, end), text.rfind("\n", low, end))
+    return split if split > start else end
+
+
+def encode_within(
+    tokenizer: Tokenizer,
+    text: str,
+    most: int,
+    budget: CpuBudget,
+    *,
+    special: bool = True,
+    add_bos: bool | None = None,
+) -> list[int] | int:
+    """``text``'s token ids (`Tokenizer.encode`), or, for a text found to have more than
+    ``most`` tokens before it was tokenized whole, how many it has at least.
+
+    A text of at most `WHOLE_CHARS_PER_TOKEN` characters per token of ``most`` is tokenized
+    whole. A longer one is counted in pieces first (`_cut`), stopping as soon as they hold more
+    than ``most`` tokens; only a text that fits is then tokenized whole, for its exact ids. A
+    cut can make the pieces spell out a few more tokens than the whole text has: each counts
+    for at most the longest vocabulary entry plus one (a SentencePiece prefix) fewer, so the
+    number returned is a lower bound. ``budget`` is checked before each piece.
+
+    Raises:
+        CpuBudgetExceeded: the budget ran out.
+    """
+    if len(text) > max(PIECE_CHARS, WHOLE_CHARS_PER_TOKEN * most):
+        slack = _longest_token_chars(tokenizer) + 1
+        counted = start = pieces = 0
+        while start < len(text):
+            end = _cut(text, start)
+            budget.check()
+            counted += len(tokenizer.encode(text[start:end], special=special, add_bos=False))
+            start, pieces = end, pieces + 1
+            if counted - pieces * slack > most:
+                return counted - pieces * slack
+    budget.check()
+    return tokenizer.encode(text, special=special, add_bos=add_bos)
+
+
+class _BothLimiters:
+    """A limiter for `trio.to_thread.run_sync` that holds a place in ``outer`` and then one in
+    ``inner`` for as long as the thread runs (trio's documented limiter protocol)."""
+
+    def __init__(self, outer: trio.CapacityLimiter, inner: trio.CapacityLimiter) -> None:
+        self.outer = outer
+        self.inner = inner
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        await self.outer.acquire_on_behalf_of(borrower)
+        try:
+            await self.inner.acquire_on_behalf_of(borrower)
+        except BaseException:
+            self.outer.release_on_behalf_of(borrower)
+            raise
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self.inner.release_on_behalf_of(borrower)
+        self.outer.release_on_behalf_of(borrower)
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:
@@ -180,7 +301,12 @@ class Admission:
         self._line: collections.deque[Ticket] = collections.deque()
         self.max_tokenizing = max_tokenizing
         self.tokenizing = 0  # requests in `tokenize`: in a thread or waiting for one
+        self.long_tokenizing = 0  # of those, long jobs
+        self.max_long_tokenizing = max_tokenizing - max_tokenizing // 4
         self._tokenizers = trio.CapacityLimiter(tokenizer_threads)
+        self._long_threads = _BothLimiters(
+            trio.CapacityLimiter(max(1, tokenizer_threads - 1)), self._tokenizers
+        )
 
     def __repr__(self) -> str:
         budget = "unlimited" if self.kv_budget is None else self.kv_budget
@@ -190,20 +316,43 @@ class Admission:
             f"kv={self.reserved}/{budget}>"
         )
 
-    async def tokenize(self, work: Callable[[], T]) -> T | None:
+    async def tokenize(
+        self, work: Callable[[], T], *, budget: CpuBudget | None = None, size: int = 0
+    ) -> T | None:
         """Run ``work`` (tokenize a prompt) in a tokenizer thread; None when the line is full.
 
-        A refusal counts in ``rejected``, like one of `try_admit`. Cancelling the caller waits
-        for a ``work`` already running (it cannot be interrupted) but not for a thread.
+        A job of ``size`` characters over `SHORT_JOB_CHARS` is long: long jobs may take all
+        but the last thread and a quarter of the places in line, so short ones always find a
+        place and, soon, a thread. A refusal counts in ``rejected``, like one of `try_admit`.
+
+        Without a ``budget``, cancelling the caller waits for a ``work`` already running. With
+        one, the caller waits at most until the budget's deadline, and leaves a thread still
+        running behind when it is cancelled: the budget is cancelled, the job stops at its
+        next `CpuBudget.check`, and the thread keeps its place until it returns, so the threads
+        stay bounded even then.
+
+        Raises:
+            CpuBudgetExceeded: the budget's deadline passed first.
         """
-        if self.tokenizing >= self.max_tokenizing:
+        long = size > SHORT_JOB_CHARS
+        full = self.tokenizing >= self.max_tokenizing
+        if full or (long and self.long_tokenizing >= self.max_long_tokenizing):
             self.rejected += 1
             return None
         self.tokenizing += 1
+        self.long_tokenizing += long
+        limiter = cast(trio.CapacityLimiter, self._long_threads) if long else self._tokenizers
         try:
-            return await trio.to_thread.run_sync(work, limiter=self._tokenizers)
+            if budget is None:
+                return await trio.to_thread.run_sync(work, limiter=limiter)
+            with trio.move_on_at(budget.deadline):
+                return await trio.to_thread.run_sync(work, limiter=limiter, abandon_on_cancel=True)
+            raise CpuBudgetExceeded("the request ran out of time waiting to be tokenized")
         finally:
             self.tokenizing -= 1
+            self.long_tokenizing -= long
+            if budget is not None:
+                budget.cancel()  # a thread left behind stops at its next check
 
     @property
     def queued(self) -> int:

@@ -3,8 +3,9 @@
 Theory of operation: `create_app` wires a running `Pipeline` into a Starlette app, served
 with one `HttpConfig`. The outer `RequestContext` ASGI wrapper (`._request_context`) checks the
 host, the API key and the content type, bounds the body's arrival and starts the request's
-clock; the routes are the completions (`._completions`: parse, tokenize, admit, generate) and
-``/health`` and ``/metrics`` (`._health`). Every error leaves in the OpenAI envelope.
+clock, and tells clients apart (whose API key, which address: `._clients.Client`); the
+routes are the completions (`._completions`: parse, tokenize, admit, generate) and ``/health``
+and ``/metrics`` (`._health`). Every error leaves in the OpenAI envelope.
 """
 
 from __future__ import annotations
@@ -57,12 +58,18 @@ def create_app(
             behind a server of your own) checks nothing; `stagerun serve` passes its bound
             address, the loopback names and `HttpConfig.allowed_hosts`.
         settings: `HttpConfig` fields by name, in place of ``config`` or replacing some of
-            its settings: ``create_app(pipeline, max_queue=0)``.
+            its settings: ``create_app(pipeline, max_queue=0)``, or ``create_app(pipeline,
+            api_key=["tenant-a-key", "tenant-b-key"], prefix_share="client")`` for two
+            tenants that share no cached prefixes and see no ``/metrics`` without a key.
 
     Raises:
-        ValueError: a setting is out of range, or ``max_batch`` exceeds the lane pool.
+        ValueError: a setting is out of range, the API key is empty, or ``max_batch``
+            exceeds the lane pool.
     """
     config = HttpConfig.from_settings(config, settings)
+    if config.api_key is not None and not config.api_keys:
+        # (an unset variable, say): never a quiet "no authentication"
+        raise ValueError("the API key is empty (or only comments): give a key, or None")
     if allowed_hosts is not None and not isinstance(allowed_hosts, AllowedHosts):
         allowed_hosts = AllowedHosts.parse(allowed_hosts)
     max_batch = _checked_max_batch(pipeline, config.max_batch)
@@ -100,7 +107,7 @@ def create_app(
     )
     app.state.stagerun = state
     app.state.busy = {"health": BusySampler(pipeline), "metrics": BusySampler(pipeline)}
-    return RequestContext(app, state, api_key=config.api_key, allowed_hosts=allowed_hosts)
+    return RequestContext(app, state, allowed_hosts=allowed_hosts)
 
 
 def _checked_max_batch(pipeline: Pipeline, max_batch: int | None) -> int:

@@ -1,23 +1,34 @@
 """``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
 
 A completion handler parses and checks the request (pure code in `._openai`), tokenizes the
-prompt, asks `Admission` for a ticket that reserves the KV cache the request can grow to (400
-when it could never fit ``--kv-budget``, 429 when the line is full) and returns a
-`GenerationResponse` that does the rest.
+prompt within the request's timeout (`_prompt_ids`), asks `Admission` for a ticket that
+reserves the KV cache the request can grow to (400 when it could never fit ``--kv-budget``,
+429 when the line is full) and returns a `GenerationResponse` that does the rest.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from .._driver._pipeline import Pipeline
 from .._engine import GrammarError
 from .._proto import SamplingParams
 from .._proto._sampling_params import MAX_PROMPT_TOP_LOGPROBS
-from ._admission import Ticket, prompt_char_limit
+from ..model._chat import RENDER_TIMEOUT, ChatTemplateError
+from ._admission import (
+    SHORT_JOB_CHARS,
+    CpuBudget,
+    CpuBudgetExceeded,
+    Ticket,
+    encode_within,
+    prompt_char_limit,
+)
 from ._api_values import invalid
 from ._config import DEFAULT_COMPLETION_MAX_TOKENS
 from ._generation import GenerationResponse
@@ -69,16 +80,47 @@ async def chat_completions(request: Request) -> Response:
     return await _generation(request, "chat")
 
 
+def over_context(at_least: int, context: int, param: str) -> ApiError:
+    """The 400 of a text found to be over the context before it was tokenized whole."""
+    return invalid(
+        f"the prompt is at least {at_least} tokens long but the model's context is {context} "
+        "tokens; shorten the prompt",
+        param,
+        code="context_length_exceeded",
+    )
+
+
+def render_within(
+    pipeline: Pipeline, messages: Sequence[Mapping[str, Any]], budget: CpuBudget, **extra: Any
+) -> str:
+    """`Pipeline.render_chat` in the time ``budget`` has left (at most the template's own
+    `RENDER_TIMEOUT`); in a tokenizer thread.
+
+    Raises:
+        CpuBudgetExceeded: the request's time ran out (before or during the render).
+        ChatTemplateError: the template refused the messages, or ran out of its own time.
+    """
+    budget.check()
+    try:
+        return pipeline.render_chat(messages, timeout=min(RENDER_TIMEOUT, budget.left()), **extra)
+    except ChatTemplateError:
+        budget.check()  # out of the request's time: not the template's doing
+        raise
+
+
 async def _prompt_ids(
-    state: ServerState, req: GenerationRequest, prompt: str | tuple[int, ...]
+    request: Request, req: GenerationRequest, prompt: str | tuple[int, ...], size: int
 ) -> tuple[list[int], str]:
     """The prompt's token ids, and the request field they came from.
 
     Token ids are checked against the vocabulary here. Text is bounded by characters first
     (`prompt_char_limit`: a longer one could never fit the context), then rendered (a chat) and
-    tokenized in a tokenizer thread (`Admission.tokenize`, 429 when its line is full), so
-    neither a long prompt nor a slow chat template holds up the event loop.
+    tokenized in a tokenizer thread (`Admission.tokenize`, 429 when its line is full; ``size``
+    characters sort it as a short or a long job), so neither a long prompt nor a slow chat
+    template holds up the event loop; both count against the request's timeout (504), and a
+    text far over the context is refused after a few pieces (`encode_within`).
     """
+    state = server_state(request)
     pipeline = state.pipeline
     if isinstance(prompt, tuple):
         vocab = pipeline.config.vocab_size
@@ -93,6 +135,7 @@ async def _prompt_ids(
     context = pipeline.config.context_length
     limit = prompt_char_limit(pipeline.tokenizer, context)
     param = "messages" if req.kind == "chat" else "prompt"
+    budget = state.budget(request)
 
     def bounded(text: str) -> str:
         if len(text) > limit:
@@ -100,18 +143,21 @@ async def _prompt_ids(
             raise too_long(len(text), "characters", context, param, why)
         return text
 
-    def tokenize() -> list[int]:  # in a worker thread
-        if req.kind == "completion":
-            return pipeline.encode_prompt(prompt)
+    def tokenize() -> list[int] | int:  # in a worker thread
+        if req.kind == "completion":  # (Pipeline.encode_prompt, within the budget)
+            return encode_within(pipeline.tokenizer, prompt, context - 1, budget)
         fmt = tool_format(pipeline.effective_chat_template)
         messages, extra = render_messages([m.for_template() for m in req.messages], req.tools, fmt)
         # ModelFile.apply_chat_template's two steps, with the bound between them
-        text = bounded(pipeline.render_chat(messages, **extra))
-        return pipeline.tokenizer.encode(text, special=True, add_bos=False)
+        text = bounded(render_within(pipeline, messages, budget, **extra))
+        return encode_within(pipeline.tokenizer, text, context - 1, budget, add_bos=False)
 
     if req.kind == "completion":
         bounded(prompt)
-    return await state.tokenized(tokenize), param
+    ids = await state.tokenized(tokenize, budget=budget, size=size)
+    if isinstance(ids, int):
+        raise over_context(ids, context, param)
+    return ids, param
 
 
 async def _generation(request: Request, kind: Kind) -> Response:
@@ -122,7 +168,7 @@ async def _generation(request: Request, kind: Kind) -> Response:
     state.check_model(req.model)
     prompts = []
     for prompt in req.prompts or (req.prompt,):
-        prompt_ids, param = await _prompt_ids(state, req, prompt)
+        prompt_ids, param = await _prompt_ids(request, req, prompt, len(body))
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty after tokenization: give some text",
                            param=param)  # fmt: skip
@@ -137,7 +183,7 @@ async def _generation(request: Request, kind: Kind) -> Response:
         max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     else:
         max_tokens = min(state.http.max_tokens_default, room)
-    sampling, fmt = await _sampling(state, req, longest)
+    sampling, fmt = await _sampling(state, req, longest, state.budget(request))
     choices = []
     for k, (prompt, prompt_ids) in enumerate(prompts):
         echo = None
@@ -175,7 +221,7 @@ MAX_SCORED_BYTES = 900_000
 
 
 async def _sampling(
-    state: ServerState, req: GenerationRequest, longest: int
+    state: ServerState, req: GenerationRequest, longest: int, budget: CpuBudget
 ) -> tuple[SamplingParams, ToolFormat | None]:
     """The request's sampling settings (grammar included), and its tool format if any."""
     vocab = state.pipeline.config.vocab_size
@@ -200,7 +246,7 @@ async def _sampling(
         grammar = tool_grammar(req.tools, fmt)
         constraint = None if grammar is None else Constraint("tools", grammar)
     if constraint is not None:
-        await check_constraint(state, constraint)
+        await check_constraint(state, constraint, budget)
         sampling = attrs.evolve(sampling, grammar=constraint.grammar)
     return sampling, fmt
 
@@ -233,8 +279,13 @@ def _admit(state: ServerState, prompt_tokens: int, max_tokens: int) -> Ticket:
     return ticket
 
 
-async def check_constraint(state: ServerState, constraint: Constraint) -> None:
-    """Compile ``constraint`` over the model's vocabulary once; a 400 if it does not compile."""
+async def check_constraint(
+    state: ServerState, constraint: Constraint, budget: CpuBudget | None = None
+) -> None:
+    """Compile ``constraint`` over the model's vocabulary once; a 400 if it does not compile.
+
+    A compile cannot be interrupted: past the ``budget``'s deadline the request gets its 504
+    and the compile finishes in its thread (a long job: never the last one)."""
     grammars = state.pipeline.engine.grammars
     assert grammars is not None, "a pipeline's stage 0 always has its model's grammars"
 
@@ -243,9 +294,11 @@ async def check_constraint(state: ServerState, constraint: Constraint) -> None:
         return True
 
     try:
-        checked = await state.admission.tokenize(check)
+        checked = await state.admission.tokenize(check, budget=budget, size=SHORT_JOB_CHARS + 1)
     except GrammarError as exc:
         raise invalid(f"'{constraint.param}' does not compile: {exc}", constraint.param) from None
+    except CpuBudgetExceeded:
+        raise state.timeout_error() from None
     if checked is None:
         raise ApiError(
             429,

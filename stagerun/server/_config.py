@@ -3,14 +3,14 @@
 `create_app` serves with one, and `stagerun serve`'s `ServeOptions` is one (plus the pipeline
 it fronts), so a limit, a timeout or a host is checked in one place with one sentence, ``what
 @ where``, whoever gives it. A new HTTP setting is a field here with its check in `_CHECKS`,
-its flag in `stagerun._cli._options` and its mapping in `stagerun._cli._serve`, and its docs
+its flag in `stagerun._cli._http_options` and its mapping in `stagerun._cli._serve`, and its docs
 (docs/api.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -32,6 +32,16 @@ DEFAULT_WRITE_TIMEOUT = 30.0
 # largest body allowed (4 MiB) needs only ~1.1 Mbit/s; a body that never ends is answered 408.
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_HEALTH_TIMEOUT = 1.0  # /health and /metrics wait this long for each stage's probe
+# Request bodies from one client still arriving after a quarter second (--max-bodies-per-client);
+# at most this many, and at most half its connections (--max-connections-per-client).
+DEFAULT_MAX_BODIES_PER_CLIENT = 16
+
+PrefixShare = Literal["client", "global"]
+"""Whose cached prefixes a request may reuse (`HttpConfig.prefix_share`)."""
+MetricsAuth = Literal["key", "none"]
+"""Who sees ``/metrics`` and the detailed ``/health`` (`HttpConfig.metrics_auth`)."""
+PREFIX_SHARES: tuple[PrefixShare, ...] = ("client", "global")
+METRICS_AUTHS: tuple[MetricsAuth, ...] = ("key", "none")
 
 
 def _whole(least: int) -> Callable[[Any], bool]:
@@ -67,6 +77,14 @@ _CHECKS: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "body_timeout": ("--body-timeout", "more than 0 seconds", _seconds),
     "health_timeout": ("health_timeout", "more than 0 seconds", _seconds),
     "max_connections": ("--max-connections", "at least 1", _optional(_whole(1))),
+    "max_connections_per_client": (
+        "--max-connections-per-client",
+        "at least 1",
+        _optional(_whole(1)),
+    ),
+    "max_bodies_per_client": ("--max-bodies-per-client", "at least 1", _optional(_whole(1))),
+    "prefix_share": ("--prefix-share", "client or global", lambda v: v in PREFIX_SHARES),
+    "metrics_auth": ("--metrics-auth", "key or none", lambda v: v in METRICS_AUTHS),
 }
 
 
@@ -76,6 +94,22 @@ def _entries(value: Iterable[str]) -> tuple[str, ...]:
 
 def _hidden(key: str | None) -> str:
     return "None" if key is None else "'<hidden>'"
+
+
+def _key_text(value: str | Iterable[str] | None) -> str | None:
+    """An API key, or several: one per line (a key file's text, or a list of keys)."""
+    if value is None or isinstance(value, str):
+        return value
+    return "\n".join(value)
+
+
+def api_keys(text: str | None) -> tuple[str, ...]:
+    """The keys in ``text``: one per line, surrounding white space stripped; empty lines and
+    lines that start with ``#`` (comments) are no keys."""
+    if text is None:
+        return ()
+    lines = (line.strip() for line in text.splitlines())
+    return tuple(dict.fromkeys(line for line in lines if line and not line.startswith("#")))
 
 
 @attrs.frozen(kw_only=True)
@@ -90,8 +124,10 @@ class HttpConfig:
         max_queue: requests that may wait for a slot and budget before the server answers 429.
         kv_budget: bytes of KV cache the running requests may reserve together (None:
             `stagerun.server._admission.default_kv_budget` of the model and ``max_batch``).
-        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
-        api_key_file: ``stagerun serve`` reads the key from this private file instead.
+        api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` need
+            ``Authorization: Bearer <key>``. Several keys (one per tenant) are given one per
+            line, or as a list; ``#`` lines are comments (`api_keys`).
+        api_key_file: ``stagerun serve`` reads the keys from this private file instead.
         max_body_bytes: the largest request body; a larger one is answered 413.
         max_tokens_default: the tokens a chat request that names no ``max_tokens`` gets (a
             completion request gets OpenAI's 16).
@@ -107,6 +143,20 @@ class HttpConfig:
         health_timeout: seconds ``/health`` and ``/metrics`` wait for a stage's probe.
         max_connections: HTTP connections open at once (None: what the open-file limit leaves
             room for, at most 1024).
+        max_connections_per_client: of those, from one client (an IPv4 address or an IPv6
+            /64; None: a quarter of ``max_connections``). Behind a proxy, every client is the
+            proxy: raise it.
+        max_bodies_per_client: request bodies from one client still arriving a quarter second
+            after their request began; one more is answered 429 (None: half
+            ``max_connections_per_client``, at most `DEFAULT_MAX_BODIES_PER_CLIENT`).
+        prefix_share: whose cached prefixes a request may reuse. ``client`` (the default):
+            only those of requests that presented the same API key, or, on a server without
+            keys, came from the same IP address; a request's ``cache_salt`` splits that further.
+            ``global``: everyone's with the same ``cache_salt`` (or none), which lets a client
+            tell from ``prefix_cached_tokens`` or the time to first token what others sent.
+        metrics_auth: ``key`` (the default): on a server with API keys, ``/metrics`` and the
+            detailed ``/health`` need one, and anyone else gets ``/health``'s status alone.
+            ``none``: they are open to everyone.
     """
 
     host: str = "127.0.0.1"
@@ -114,7 +164,7 @@ class HttpConfig:
     max_batch: int | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     kv_budget: int | None = None
-    api_key: str | None = attrs.field(default=None, repr=_hidden)
+    api_key: str | None = attrs.field(default=None, repr=_hidden, converter=_key_text)
     api_key_file: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     max_tokens_default: int = DEFAULT_MAX_TOKENS
@@ -125,6 +175,10 @@ class HttpConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     health_timeout: float = DEFAULT_HEALTH_TIMEOUT
     max_connections: int | None = None
+    max_connections_per_client: int | None = None
+    max_bodies_per_client: int | None = None
+    prefix_share: PrefixShare = "client"
+    metrics_auth: MetricsAuth = "key"
 
     def __attrs_post_init__(self) -> None:
         where = type(self).__name__
@@ -137,6 +191,11 @@ class HttpConfig:
                 f"the default max_tokens ({self.max_tokens_default}) must be between 1 and the "
                 f"limit ({self.max_tokens_limit}) @ {where}.max_tokens_default"
             )
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The API keys requests may present (none: no key is needed)."""
+        return api_keys(self.api_key)
 
     def replace(self, **changes: Any) -> HttpConfig:
         """A copy with ``changes`` (field names as keywords), checked again."""

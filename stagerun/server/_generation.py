@@ -42,6 +42,7 @@ from starlette.types import Message, Receive, Scope, Send
 from .._driver._values import Completion, TokenLogprob
 from .._errors import LaneError, LaneTimeoutError, StageError, StageGivenUpError, StagerunError
 from ._admission import Ticket
+from ._clients import client_of, prefix_salt
 from ._openai import ApiError
 from ._responses import DONE_EVENT, Choice, ResponseShape, echo_entries, entries, sse_event
 
@@ -140,6 +141,7 @@ class GenerationResponse(Response):
         self._outbox: trio.MemorySendChannel[Message] | None = None
         self._deadline = 0.0  # trio.current_time() when the request runs out of time
         self._unshown: list[TokenLogprob] = []  # logprobs of tokens no streamed text showed
+        self._cache_salt = shape.request.cache_salt  # with the client's domain: `__call__`
 
     def __repr__(self) -> str:
         return (
@@ -153,6 +155,9 @@ class GenerationResponse(Response):
         if not isinstance(deadline, float):
             deadline = trio.current_time() + self.state.http.request_timeout
         self._deadline = deadline
+        self._cache_salt = prefix_salt(
+            client_of(scope).prefix_domain, self.shape.request.cache_salt
+        )
         outbox, inbox = trio.open_memory_channel[Message](0)
         try:
             async with trio.open_nursery() as nursery:
@@ -204,7 +209,7 @@ class GenerationResponse(Response):
                 sampling=choice.sampling,
                 stop=self.shape.request.stop,
                 label=self.label,
-                cache_salt=self.shape.request.cache_salt,
+                cache_salt=self._cache_salt,
             ) as stream:
                 async for chunk in stream:
                     if chunk.logprob is not None:

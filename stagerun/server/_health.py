@@ -1,4 +1,9 @@
-"""``/health`` and ``/metrics``: each stage's probe and busy share, the lanes, the requests."""
+"""``/health`` and ``/metrics``: each stage's probe and busy share, the lanes, the requests.
+
+Both show what a stranger should not see (stage addresses, process ids, cache counts): a
+request that may not see them (`Client.detail`) gets ``/health``'s liveness alone, its status
+with 200 or 503 and nothing else, and ``/metrics`` refuses it before it gets here (401).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from .._driver._pipeline import Pipeline
 from .._driver._supervise import NOT_SERVING, StageProcess, is_serving
 from .._driver._values import StageHealth
+from ._clients import client_of
 from ._metrics import CONTENT_TYPE, BusySampler, tick_summary
 from ._state import server_state
 
@@ -45,8 +51,11 @@ def _stage_entries(
 async def health(request: Request) -> Response:
     state = server_state(request)
     health = await state.pipeline.check_health(timeout=state.http.health_timeout)
-    busy = _busy(request, "health")
     healthy = all(is_serving(h) for h in health)
+    status = 200 if healthy else 503
+    if not client_of(request.scope).detail:
+        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=status)
+    busy = _busy(request, "health")
     pool = state.pipeline.pool
     lanes = None
     if pool is not None:
@@ -73,7 +82,7 @@ async def health(request: Request) -> Response:
             "kv_budget_bytes": adm.kv_budget,
         },
     }
-    return JSONResponse(body, status_code=200 if healthy else 503)
+    return JSONResponse(body, status_code=status)
 
 
 async def metrics(request: Request) -> Response:

@@ -2,9 +2,14 @@
 
 It gives every request an id (the client's ``x-request-id`` or a new one, echoed in the
 response), refuses a ``Host`` the server does not answer for (421), a missing or wrong API key
-on ``/v1/*`` (401) and a ``/v1/*`` POST that is not JSON (415), gives the body
-``body_timeout`` seconds to arrive (408), starts the request's ``request_timeout`` clock, and
-records the status and duration of every answer.
+on ``/v1/*`` (401), and on ``/metrics`` too unless ``metrics_auth`` is ``none``, and a ``/v1/*``
+POST that is not JSON (415), gives the body ``body_timeout`` seconds to arrive (408), starts
+the request's ``request_timeout`` clock, and records the status and duration of every answer.
+
+It also decides who the client is, for the handlers behind it (a `Client`, left in the scope;
+see `._clients`): whether it presented a key, so that ``/health`` shows its detail only to a
+request that may see it, and the domain whose cached prefixes it may share (its key, else its
+IP address), so that no client learns of another's prompts through the prefix cache.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import uuid
 import trio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ._clients import CLIENT_KEY, Client, key_domain
 from ._generation import json_message
 from ._hosts import AllowedHosts
 from ._openai import ApiError
@@ -27,6 +33,9 @@ ENDPOINTS = frozenset(
 )  # fmt: skip
 # Paths behind the API key, whose POSTs must be JSON: the OpenAI API and the tokenizer's.
 GUARDED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+# Paths behind the API key unless --metrics-auth is none (/health answers everyone, but shows
+# its detail only to a request with a key).
+MONITORING_PATHS = ("/metrics",)
 # What a /v1/* POST must say it sends. A web page can POST text/plain, form data or no type at
 # all to any server without the browser asking the server first (a CORS "simple request").
 JSON_MEDIA_TYPE = "application/json"
@@ -46,40 +55,70 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 class RequestContext:
     """ASGI wrapper: request ids, the Host, API key and content type checks, the body's
-    deadline, the request's clock, and per-request metrics."""
+    deadline, the request's clock, per-request metrics, and who the client is (`Client`).
+
+    The API keys, the prefix sharing and who sees the monitoring endpoints are
+    ``state.http``'s (`HttpConfig.api_keys`, ``prefix_share``, ``metrics_auth``).
+    """
 
     def __init__(
         self,
         app: ASGIApp,
         state: ServerState,
         *,
-        api_key: str | None,
         allowed_hosts: AllowedHosts | None = None,
     ) -> None:
         self.app = app
         self.state = state
-        self.api_key = api_key
         self.allowed_hosts = allowed_hosts
+        self._keys = [(key.encode(), key_domain(key)) for key in state.http.api_keys]
+        self._guarded: tuple[str, ...] = GUARDED_PATHS
+        if state.http.metrics_auth == "key":
+            self._guarded += MONITORING_PATHS
 
     def __repr__(self) -> str:
         hosts = "any" if self.allowed_hosts is None else "checked"
+        http = self.state.http
         return (
-            f"<RequestContext auth={'on' if self.api_key else 'off'} hosts={hosts} "
+            f"<RequestContext keys={len(self._keys)} hosts={hosts} "
+            f"prefix_share={http.prefix_share} metrics_auth={http.metrics_auth} "
             f"{self.state.admission!r}>"
         )
 
-    def _authorized(self, scope: Scope) -> bool:
-        if self.api_key is None or not scope["path"].startswith(GUARDED_PATHS):
-            return True
+    def _presented_key(self, scope: Scope) -> str | None:
+        """The prefix domain of the API key the request presents; None if it presents none of
+        the server's keys. Every key is compared, in constant time, whichever matches."""
+        token = b""
         for name, value in scope["headers"]:
             if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    token.strip().encode(), self.api_key.encode()
-                )
-        return False
+                scheme, _, given = value.partition(b" ")
+                if scheme.lower() == b"bearer":
+                    token = given.strip()
+                break
+        found = None
+        for key, domain in self._keys:
+            if hmac.compare_digest(token, key):
+                found = domain
+        return found
 
-    def _refusal(self, scope: Scope) -> ApiError | None:
+    def client(self, scope: Scope) -> Client:
+        """Who sent the request of ``scope`` (decide, then do)."""
+        http = self.state.http
+        if self._keys:
+            key = self._presented_key(scope)
+            authorized = key is not None
+            domain = key or "no-key"  # (refused before it could use the cache)
+        else:  # no keys: a client is its address (behind a proxy, that is the proxy's)
+            address = scope.get("client")
+            domain = f"address:{address[0] if address else 'unknown'}"
+            authorized = True
+        return Client(
+            authorized=authorized,
+            detail=authorized or http.metrics_auth == "none",
+            prefix_domain=None if http.prefix_share == "global" else domain,
+        )
+
+    def _refusal(self, scope: Scope, client: Client) -> ApiError | None:
         """Why the request is answered without reaching the app, if it is (decide, then do)."""
         if self.allowed_hosts is not None:
             hosts = [v.decode("latin-1") for k, v in scope["headers"] if k == b"host"]
@@ -91,10 +130,14 @@ class RequestContext:
                         "or start it with --allowed-hosts naming that host",
                         code="invalid_host",
                     )
-        if not self._authorized(scope):
+        path = scope["path"]
+        if not client.authorized and path.startswith(self._guarded):
+            why = ""
+            if path.startswith(MONITORING_PATHS):
+                why = " (or start the server with --metrics-auth none to open it to everyone)"
             return ApiError(
                 401,
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                f"missing or wrong API key: send the header 'Authorization: Bearer <key>'{why}",
                 code="invalid_api_key",
                 headers={"www-authenticate": "Bearer"},
             )
@@ -160,7 +203,8 @@ class RequestContext:
             await send(message)
 
         try:
-            refusal = self._refusal(scope)
+            client = scope[CLIENT_KEY] = self.client(scope)
+            refusal = self._refusal(scope, client)
             if refusal is None:
                 await self.app(scope, self._body_in_time(receive), send_with_id)
             else:

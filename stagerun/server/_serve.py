@@ -42,7 +42,7 @@ from .._util import FD_RESERVE, raise_open_file_limit, single_exceptions
 from .._wire._auth import is_loopback, read_private_file
 from ..backends._ggml._cores import shares_cores
 from ._app import create_app
-from ._config import DEFAULT_MAX_BATCH, HttpConfig
+from ._config import DEFAULT_MAX_BATCH, HttpConfig, api_keys
 from ._hosts import AllowedHosts
 from ._http import ConnectionLimit, serve_http
 
@@ -50,8 +50,9 @@ API_KEY_ENV = "STAGERUN_API_KEY"
 API_KEY_FILE_ENV = "STAGERUN_API_KEY_FILE"
 log = logging.getLogger("stagerun.serve")
 GRACEFUL_TIMEOUT = 2.0
-# An API key is a few dozen bytes; a bigger --api-key-file (or /dev/zero) is a mistake.
-MAX_API_KEY_FILE_BYTES = 4096
+# An API key is a few dozen bytes, one a line: 64 KiB holds a thousand tenants' keys; a bigger
+# --api-key-file (or /dev/zero) is a mistake.
+MAX_API_KEY_FILE_BYTES = 64 * 1024
 # hypercorn's keep_alive_timeout: how long a connection may sit without a request in flight,
 # which also bounds the time a client has to send its first request head. Longer than the 5 s
 # httpx (and so the openai client) keeps an idle connection, so they never reuse one the server
@@ -123,7 +124,11 @@ async def serve(options: ServeOptions, *, stdout: TextIO | None = None) -> int:
     out = stdout if stdout is not None else sys.stdout
     model, wanted, api_key = _checked(options)
     hosts = allowed_hosts(options.host, options.allowed_hosts)
-    connections = ConnectionLimit(max_connections(options.max_connections, wanted.capacity))
+    connections = ConnectionLimit.for_serve(
+        max_connections(options.max_connections, wanted.capacity),
+        options.max_connections_per_client,
+        options.max_bodies_per_client,
+    )
     with single_exceptions(), trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             state = _Signals(nursery.cancel_scope)
@@ -285,12 +290,15 @@ def allowed_hosts(host: str, more: Sequence[str] = ()) -> AllowedHosts:
 
 
 def resolve_api_key(given: str | None, host: str, *, key_file: str | None = None) -> str | None:
-    """The API key to require: ``--api-key``, ``--api-key-file``, ``$STAGERUN_API_KEY_FILE``
+    """The API keys to require: ``--api-key``, ``--api-key-file``, ``$STAGERUN_API_KEY_FILE``
     or ``$STAGERUN_API_KEY``, the first that is set; None for none.
 
-    A key that is given but empty (``--api-key "$UNSET_VARIABLE"``, an empty file) is an
-    error, never a quiet "no authentication"; serving beyond loopback without a key is
-    allowed, with a warning.
+    A file (or variable) may hold several keys, one per line (one per tenant: each key is a
+    prefix cache domain of its own), and ``#`` comment lines; the text is returned as it is,
+    less surrounding white space (`HttpConfig.api_keys` splits it). A key that is given but
+    empty (``--api-key "$UNSET_VARIABLE"``, an empty file, only comments) is an error, never
+    a quiet "no authentication"; serving beyond loopback without a key is allowed, with a
+    warning.
 
     Raises:
         ServeError: the key was given empty, twice, or its file cannot be used.
@@ -304,10 +312,10 @@ def resolve_api_key(given: str | None, host: str, *, key_file: str | None = None
             source, key = f"the API key file {path}", _read_api_key_file(path)
         else:
             source, key = f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)
-    if key is not None and not key.strip():
+    if key is not None and not api_keys(key):
         raise ServeError(
-            f"{source} is empty: give a key (for example in a file, --api-key-file key.txt), "
-            "or leave it out to serve without one"
+            f"{source} is empty (it holds no key, only blank or # lines): give a key (for "
+            "example in a file, --api-key-file key.txt), or leave it out to serve without one"
         )
     if key is None and not is_loopback(host.strip("[]")):
         log.warning(
@@ -320,7 +328,7 @@ def resolve_api_key(given: str | None, host: str, *, key_file: str | None = None
 
 
 def _read_api_key_file(path: str) -> str:
-    """The key in ``path``, less surrounding white space; the file must be private."""
+    """The text of ``path`` (keys, one per line); the file must be private."""
     try:
         _st, data = read_private_file(path, "the API key file", MAX_API_KEY_FILE_BYTES)
         return data.decode()

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+import trio
 from starlette.requests import Request
 
 from .._driver._pipeline import Pipeline
-from ._admission import Admission
+from ._admission import Admission, CpuBudget, CpuBudgetExceeded
 from ._config import DEFAULT_BODY_TIMEOUT as DEFAULT_BODY_TIMEOUT
 from ._config import DEFAULT_COMPLETION_MAX_TOKENS as DEFAULT_COMPLETION_MAX_TOKENS
 from ._config import DEFAULT_MAX_BATCH as DEFAULT_MAX_BATCH
@@ -25,6 +26,8 @@ from ._hosts import AllowedHosts as AllowedHosts
 from ._hosts import split_host as split_host
 from ._metrics import Metrics
 from ._openai import ApiError
+
+T = TypeVar("T")
 
 
 @attrs.define
@@ -54,16 +57,23 @@ class ServerState:
             "context_length": self.pipeline.config.context_length,
         }
 
-    async def tokenized(self, work: Callable[[], list[int]]) -> list[int]:
-        """``work``'s token ids, computed in a tokenizer thread (`Admission.tokenize`).
+    async def tokenized(
+        self, work: Callable[[], T], *, budget: CpuBudget | None = None, size: int = 0
+    ) -> T:
+        """``work``'s result (token ids), computed in a tokenizer thread (`Admission.tokenize`)
+        within ``budget``; ``size`` is the characters of text it takes.
 
         Raises:
             ApiError: 400 when a chat template refuses the messages (``param: messages``),
-                429 when the tokenizer threads' line is full.
+                429 when the tokenizer threads' line is full, 504 when the budget ran out.
         """
         try:
-            ids = await self.admission.tokenize(work)
+            ids = await self.admission.tokenize(work, budget=budget, size=size)
+        except CpuBudgetExceeded:
+            raise self.timeout_error() from None
         except ValueError as exc:  # a chat template that refuses the messages
+            if budget is not None and budget.left() <= 0:  # its time was the request's
+                raise self.timeout_error() from None
             raise ApiError(400, str(exc), param="messages") from exc
         if ids is None:
             raise ApiError(
@@ -75,6 +85,24 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
         return ids
+
+    def budget(self, request: Request) -> CpuBudget:
+        """A fresh budget for one tokenizer job of ``request``: until its deadline."""
+        deadline = request.scope.get("stagerun.deadline")
+        if not isinstance(deadline, float):
+            deadline = trio.current_time() + self.http.request_timeout
+        return CpuBudget(deadline)
+
+    def timeout_error(self) -> ApiError:
+        """The 504 of a request past ``request_timeout``."""
+        timeout = self.http.request_timeout
+        return ApiError(
+            504,
+            f"the request did not finish within the server's request timeout ({timeout:g} s); "
+            "send a shorter prompt, or retry when the server is less busy",
+            type="api_error",
+            code="request_timeout",
+        )
 
     def check_model(self, model: str) -> None:
         if model != self.model_id and model not in self.model_aliases:

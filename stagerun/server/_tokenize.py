@@ -6,9 +6,10 @@ unless ``add_special_tokens`` is false), or chat ``messages`` rendered by the ch
 ``with_pieces`` (llama-server) gives each id with its text (its bytes, where they are
 not UTF-8 on their own). ``/detokenize`` takes ``tokens``.
 Both answer with the field names of both (``tokens``, ``count``, ``max_model_len``;
-``content`` and ``prompt``). Text is bounded as a prompt is and tokenized in the tokenizer
-threads (429 when their line is full); ids are bounded by the context and checked against the
-vocabulary.
+``content`` and ``prompt``). Text is bounded as a prompt is: by characters, then by the
+context's tokens (a longer text is refused after a few pieces, `encode_within`), tokenized in
+the tokenizer threads (429 when their line is full) within the request's timeout (504); ids
+are bounded by the context and checked against the vocabulary.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ._admission import prompt_char_limit
+from ._admission import encode_within, prompt_char_limit
 from ._api_values import invalid, json_type, optional_bool
-from ._completions import read_body
+from ._completions import over_context, read_body, render_within
 from ._openai import ChatMessage, checked_text, parse_json_body, parse_messages, token_ids, too_long
 from ._state import ServerState, server_state
 
@@ -103,7 +104,8 @@ async def tokenize(request: Request) -> Response:
     state = server_state(request)
     pipeline = state.pipeline
     context = pipeline.config.context_length
-    req = parse_tokenize(parse_json_body(await _body(request, state)), context)
+    body = await _body(request, state)
+    req = parse_tokenize(parse_json_body(body), context)
     if req.model is not None:
         state.check_model(req.model)
     limit = prompt_char_limit(pipeline.tokenizer, context)
@@ -115,17 +117,21 @@ async def tokenize(request: Request) -> Response:
                            f"{limit} characters fits")  # fmt: skip
         return text
 
-    def work() -> list[int]:  # in a tokenizer thread
+    budget = state.budget(request)
+
+    def work() -> list[int] | int:  # in a tokenizer thread
+        tokenizer = pipeline.tokenizer
         if req.messages:
             messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            text = bounded(
-                pipeline.render_chat(messages, add_generation_prompt=req.add_generation_prompt)
-            )
-            return pipeline.tokenizer.encode(text, special=True, add_bos=False)
-        return pipeline.tokenizer.encode(bounded(req.text), add_bos=req.add_special)
+            generation = req.add_generation_prompt
+            text = render_within(pipeline, messages, budget, add_generation_prompt=generation)
+            return encode_within(tokenizer, bounded(text), context, budget, add_bos=False)
+        return encode_within(tokenizer, bounded(req.text), context, budget, add_bos=req.add_special)
 
     bounded(req.text)
-    ids = await state.tokenized(work)
+    ids = await state.tokenized(work, budget=budget, size=len(body))
+    if isinstance(ids, int):
+        raise over_context(ids, context, param)
     tokens: list[Any] = list(ids)
     if req.with_pieces:
         tokens = [{"id": i, "piece": _piece(pipeline.tokenizer.token_bytes(i))} for i in ids]
