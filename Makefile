@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 TEST_STAMP := $(VENV)/.test-stamp
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: install install-test run test lint clean
+.PHONY: install install-test run test lint clean chromium
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ $(TEST_STAMP): $(STAMP) $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PIP) install -q --no-deps $(addprefix -e ,$(PLUGINS))
 	touch $@
 
+# Headless Chromium, for the web page's browser test (tests/test_ui_browser.py): Debian's.
+chromium:
+	apt-get install -y -q chromium >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)
+
 # Create or update .venv with everything (runtime, default model, test and reference deps).
 install: $(TEST_STAMP)
 
@@ -43,6 +48,7 @@ run: $(STAMP)
 
 # The whole test suite.
 test: $(TEST_STAMP)
+	command -v chromium >/dev/null || $(MAKE) chromium
 	$(PY) -m pytest -q
 
 lint: $(TEST_STAMP)

@@ -30,6 +30,7 @@ INVALID: dict[str, Any] = {
     "max_bodies_per_client": -1,
     "prefix_share": "everyone",
     "metrics_auth": "open",
+    "ui": "yes",
 }
 # Any key passes here: `resolve_api_key` refuses an empty one, or a key given twice.
 UNCHECKED = {"api_key", "api_key_file"}

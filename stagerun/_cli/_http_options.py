@@ -43,6 +43,11 @@ def http_options(serve: argparse.ArgumentParser, seconds: Callable[[str], float]
         "others get /health's status alone; 'none': open to everyone",
     )  # fmt: skip
     serve.add_argument(
+        "--no-ui", action="store_true",
+        help="do not serve the web page at / (a chat with the model and a live view of the "
+        "pipeline)",
+    )  # fmt: skip
+    serve.add_argument(
         "--allowed-hosts", default=None, metavar="HOSTS",
         help="more Host headers to answer, comma-separated (api.example.com, name:port, or * "
         "for any); always answered: the --host address, localhost, 127.0.0.1, [::1], and, "

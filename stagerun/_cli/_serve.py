@@ -44,6 +44,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         max_bodies_per_client=args.max_bodies_per_client,
         prefix_share=args.prefix_share,
         metrics_auth=args.metrics_auth,
+        ui=not args.no_ui,
     )
 
 

@@ -4,8 +4,9 @@ Theory of operation: `create_app` wires a running `Pipeline` into a Starlette ap
 with one `HttpConfig`. The outer `RequestContext` ASGI wrapper (`._request_context`) checks the
 host, the API key and the content type, bounds the body's arrival and starts the request's
 clock, and tells clients apart (whose API key, which address: `._clients.Client`); the
-routes are the completions (`._completions`: parse, tokenize, admit, generate) and ``/health``
-and ``/metrics`` (`._health`). Every error leaves in the OpenAI envelope.
+routes are the completions (`._completions`: parse, tokenize, admit, generate), ``/health``
+and ``/metrics`` (`._health`), and the web page at ``/`` (`._ui`). Every error leaves in the
+OpenAI envelope.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ._openai import ApiError, error_envelope
 from ._request_context import RequestContext
 from ._state import ServerState
 from ._tokenize import detokenize, model, tokenize
+from ._ui import new_snapshot, ui_routes
 
 log = logging.getLogger("stagerun.server")
 
@@ -90,6 +92,7 @@ def create_app(
     )
     app = Starlette(
         routes=[
+            *(ui_routes() if config.ui else []),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),
             Route("/tokenize", tokenize, methods=["POST"]),
@@ -106,7 +109,8 @@ def create_app(
         },
     )
     app.state.stagerun = state
-    app.state.busy = {"health": BusySampler(pipeline), "metrics": BusySampler(pipeline)}
+    app.state.busy = {endpoint: BusySampler(pipeline) for endpoint in ("health", "metrics", "ui")}
+    app.state.ui_snapshot = new_snapshot()
     return RequestContext(app, state, allowed_hosts=allowed_hosts)
 
 

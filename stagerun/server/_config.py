@@ -85,6 +85,7 @@ _CHECKS: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "max_bodies_per_client": ("--max-bodies-per-client", "at least 1", _optional(_whole(1))),
     "prefix_share": ("--prefix-share", "client or global", lambda v: v in PREFIX_SHARES),
     "metrics_auth": ("--metrics-auth", "key or none", lambda v: v in METRICS_AUTHS),
+    "ui": ("--no-ui", "True or False", lambda v: isinstance(v, bool)),
 }
 
 
@@ -157,6 +158,8 @@ class HttpConfig:
         metrics_auth: ``key`` (the default): on a server with API keys, ``/metrics`` and the
             detailed ``/health`` need one, and anyone else gets ``/health``'s status alone.
             ``none``: they are open to everyone.
+        ui: serve the web page at ``/`` (a chat, and the pipeline live at ``/ui/state``;
+            `stagerun.server._ui`); ``--no-ui`` turns it off.
     """
 
     host: str = "127.0.0.1"
@@ -179,6 +182,7 @@ class HttpConfig:
     max_bodies_per_client: int | None = None
     prefix_share: PrefixShare = "client"
     metrics_auth: MetricsAuth = "key"
+    ui: bool = True
 
     def __attrs_post_init__(self) -> None:
         where = type(self).__name__

@@ -21,7 +21,7 @@ from ._metrics import CONTENT_TYPE, BusySampler, tick_summary
 from ._state import server_state
 
 
-def _busy(request: Request, endpoint: Literal["health", "metrics"]) -> dict[int, float]:
+def _busy(request: Request, endpoint: Literal["health", "metrics", "ui"]) -> dict[int, float]:
     """Each stage's busy fraction since ``endpoint``'s previous call (see `BusySampler`)."""
     sampler: BusySampler = request.app.state.busy[endpoint]
     return sampler.sample()
@@ -49,13 +49,25 @@ def _stage_entries(
 
 
 async def health(request: Request) -> Response:
+    if not client_of(request.scope).detail:
+        state = server_state(request)
+        health = await state.pipeline.check_health(timeout=state.http.health_timeout)
+        healthy = all(is_serving(h) for h in health)
+        status = 200 if healthy else 503
+        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=status)
+    body, status = await detailed_health(request, "health")
+    return JSONResponse(body, status_code=status)
+
+
+async def detailed_health(
+    request: Request, endpoint: Literal["health", "ui"]
+) -> tuple[dict[str, Any], int]:
+    """The detailed ``/health`` document and its status (200, or 503 when a stage does not
+    serve); busy shares are since ``endpoint``'s previous call."""
     state = server_state(request)
     health = await state.pipeline.check_health(timeout=state.http.health_timeout)
     healthy = all(is_serving(h) for h in health)
-    status = 200 if healthy else 503
-    if not client_of(request.scope).detail:
-        return JSONResponse({"status": "ok" if healthy else "unhealthy"}, status_code=status)
-    busy = _busy(request, "health")
+    busy = _busy(request, endpoint)
     pool = state.pipeline.pool
     lanes = None
     if pool is not None:
@@ -82,7 +94,7 @@ async def health(request: Request) -> Response:
             "kv_budget_bytes": adm.kv_budget,
         },
     }
-    return JSONResponse(body, status_code=status)
+    return body, 200 if healthy else 503
 
 
 async def metrics(request: Request) -> Response:
