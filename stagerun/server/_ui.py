@@ -36,7 +36,7 @@ from ._openai import ApiError
 from ._state import server_state
 
 # Seconds a /ui/state snapshot is served before the next poll builds a new one.
-STATE_INTERVAL = 0.5
+STATE_INTERVAL = 1.0
 #: Every answer of the page's routes: nothing but this server, no inline code, no framing.
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "

@@ -4,7 +4,7 @@
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "stagerun.api_key";
-const POLL_MS = 1000;
+const POLL_MS = 2000;
 
 const page = {
   mode: "chat",
