@@ -100,7 +100,8 @@ def test_a_field_nobody_declared_is_refused_by_name(kind: str, field: str) -> No
 BAD_VALUES: dict[str, object] = {
     "model": 5, "messages": 5, "prompt": {}, "max_tokens": 0, "max_completion_tokens": 0,
     "temperature": 3, "top_p": 0, "top_k": -2, "seed": "x", "stop": 5, "stream": "x",
-    "stream_options": 5, "n": 17, "cache_salt": "", "min_p": 2, "logit_bias": 5,
+    "stream_options": 5, "n": 17, "cache_salt": "", "speculative": "yes", "min_p": 2,
+    "logit_bias": 5,
     "logprobs": "x", "top_logprobs": 21, "presence_penalty": 3, "frequency_penalty": -3,
     "repetition_penalty": 0, "repeat_penalty": -1, "repeat_last_n": -2,
     "response_format": {"type": "xml"}, "json_schema": 5, "grammar": "", "guided_json": [],

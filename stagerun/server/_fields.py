@@ -53,7 +53,7 @@ _UNSUPPORTED_IN_COMPLETIONS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 # The fields each endpoint honours; docs/api.md's "Request fields" table lists the same.
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-           "stream_options", "n", "cache_salt", "min_p", "logit_bias", "logprobs",
+           "stream_options", "n", "cache_salt", "speculative", "min_p", "logit_bias", "logprobs",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "repeat_penalty",
            "repeat_last_n", *CONSTRAINT_FIELDS)  # fmt: skip
 _CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",

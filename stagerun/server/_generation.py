@@ -35,10 +35,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from .._driver._policies import SpeculationConfig
 from .._driver._values import Completion, TokenLogprob
 from .._errors import LaneError, LaneTimeoutError, StageError, StageGivenUpError, StagerunError
 from ._admission import Ticket
@@ -198,6 +200,20 @@ class GenerationResponse(Response):
             self.state.metrics.disconnects += 1
             scope.cancel(reason=f"client of {self.shape.id} disconnected")
 
+    def _speculation(self) -> SpeculationConfig | None:
+        """The request's ``speculative`` over the server's settings (None: the server's).
+
+        ``false`` decodes plainly (no drafter, no forced drafts); ``true`` speculates with the
+        server's drafter, or prompt lookup (``ngram``) when the server has none.
+        """
+        wanted = self.shape.request.speculative
+        config = self.state.pipeline.speculation
+        if wanted is None:
+            return None
+        if not wanted:
+            return attrs.evolve(config, drafter="off", forced=False)
+        return config if config.drafter != "off" else attrs.evolve(config, drafter="ngram")
+
     async def _run(self, choice: Choice, on_text: OnText | None) -> Completion:
         """Generate ``choice``; the ticket is released after the last choice's generation."""
         await self.ticket.wait()  # at once once admitted
@@ -210,6 +226,7 @@ class GenerationResponse(Response):
                 stop=self.shape.request.stop,
                 label=self.label,
                 cache_salt=self._cache_salt,
+                speculation=self._speculation(),
             ) as stream:
                 async for chunk in stream:
                     if chunk.logprob is not None:

@@ -60,12 +60,16 @@ async def health(request: Request) -> Response:
 
 
 async def detailed_health(
-    request: Request, endpoint: Literal["health", "ui"]
+    request: Request,
+    endpoint: Literal["health", "ui"],
+    health: Sequence[StageHealth] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """The detailed ``/health`` document and its status (200, or 503 when a stage does not
-    serve); busy shares are since ``endpoint``'s previous call."""
+    serve); busy shares are since ``endpoint``'s previous call. ``health``: the stages'
+    probes, if they were just taken (else they are taken now)."""
     state = server_state(request)
-    health = await state.pipeline.check_health(timeout=state.http.health_timeout)
+    if health is None:
+        health = await state.pipeline.check_health(timeout=state.http.health_timeout)
     healthy = all(is_serving(h) for h in health)
     busy = _busy(request, endpoint)
     pool = state.pipeline.pool

@@ -93,6 +93,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     cache_salt: str | None = None
+    speculative: bool | None = None  # None: the server's speculation settings
     knobs: Knobs = attrs.field(factory=Knobs)
     constraint: Constraint | None = None  # structured output: the grammar it asks for
     tools: Tools | None = None  # chat: the functions it may (or must) call
@@ -182,6 +183,7 @@ def parse_generation_request(
         stream=bool(stream),
         include_usage=include_usage,
         cache_salt=_cache_salt(data.get("cache_salt")),
+        speculative=optional_bool(data, "speculative"),
         knobs=knobs,
         constraint=constraint,
         tools=tools,

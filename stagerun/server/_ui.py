@@ -14,7 +14,8 @@ detailed ``/health`` (every stage's layers, backend, address, state, restarts an
 cache; the lanes; requests running and queued; KV reserved), with each stage's busy share
 since the previous snapshot and stage 0's ticks. It holds no request's text, and it is built
 at most once per `STATE_INTERVAL` seconds however many pages poll: later polls get the same
-snapshot, so polling costs the pipeline one health probe per interval at most. It needs what
+snapshot; the stages are probed (a handshake each) once per `PROBE_INTERVAL` at most, the
+rest (process states, busy shares, requests, KV) read fresh for each snapshot. It needs what
 the detailed ``/health`` needs (an API key, on a server with keys); the page itself does not,
 and asks for the key when the API answers 401.
 """
@@ -37,6 +38,9 @@ from ._state import server_state
 
 # Seconds a /ui/state snapshot is served before the next poll builds a new one.
 STATE_INTERVAL = 1.0
+# Seconds between the stage probes (a handshake with every stage) behind the snapshots; the
+# supervised processes' states, busy shares and requests are read fresh for each snapshot.
+PROBE_INTERVAL = 5.0
 #: Every answer of the page's routes: nothing but this server, no inline code, no framing.
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -66,6 +70,8 @@ class _Snapshot:
 
     def __init__(self) -> None:
         self.body: dict[str, Any] | None = None
+        self.health: Any = None  # the stages' latest probes
+        self.probed = -float("inf")
         self.built = -float("inf")
         self.lock = trio.Lock()
 
@@ -93,7 +99,13 @@ async def ui_state(request: Request) -> Response:
     snapshot: _Snapshot = request.app.state.ui_snapshot
     async with snapshot.lock:  # polls that arrive while one builds get its result
         if snapshot.body is None or time.monotonic() - snapshot.built >= STATE_INTERVAL:
-            body, _status = await detailed_health(request, "ui")  # (its status is in the body)
+            if time.monotonic() - snapshot.probed >= PROBE_INTERVAL:
+                state = server_state(request)
+                snapshot.health = await state.pipeline.check_health(
+                    timeout=state.http.health_timeout
+                )
+                snapshot.probed = time.monotonic()
+            body, _status = await detailed_health(request, "ui", snapshot.health)
             body["time"] = time.time()
             body["interval"] = STATE_INTERVAL
             body["client_disconnects"] = server_state(request).metrics.disconnects

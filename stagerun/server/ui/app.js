@@ -86,6 +86,8 @@ function requestBody(prompt) {
     top_p: number("top-p"),
     seed: number("seed"),
   };
+  const speculative = $("speculative").value;
+  if (speculative) body.speculative = speculative === "true";
   if (page.mode === "chat") {
     const system = $("system").value.trim();
     body.messages = [...(system ? [{ role: "system", content: system }] : []), ...page.messages];
