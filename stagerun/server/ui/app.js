@@ -12,6 +12,7 @@ const page = {
   controller: null, // the AbortController of the request in flight
   key: sessionStorage.getItem(KEY_STORE) || "",
   waitingForKey: null, // resolves when the key dialog closes
+  stagesSignature: "", // what the stage cards show, but their busy shares
 };
 
 function headers(json) {
@@ -245,21 +246,32 @@ function stageCard(stage) {
   }
   const list = document.createElement("dl");
   for (const [name, value] of facts) list.append(cell("dt", name), cell("dd", value));
-  const busy = Math.min(1, stage.busy ?? 0);
   const bar = document.createElement("div");
   bar.className = "bar";
-  const fill = document.createElement("div");
-  fill.style.width = `${Math.round(busy * 100)}%`;
-  bar.append(fill);
-  bar.title = stage.busy === undefined ? "busy: not measured" : `busy ${(stage.busy * 100).toFixed(0)}%`;
-  card.append(list, cell("div", bar.title, "muted"), bar);
+  bar.append(document.createElement("div"));
+  card.append(list, cell("div", "", "muted busy"), bar);
+  showBusy(card, stage.busy);
   return card;
+}
+
+function showBusy(card, busy) {
+  const label = busy === undefined ? "busy: not measured" : `busy ${(busy * 100).toFixed(0)}%`;
+  card.querySelector(".busy").textContent = label;
+  card.querySelector(".bar > div").style.width = `${Math.round(Math.min(1, busy ?? 0) * 100)}%`;
 }
 
 function showState(state) {
   $("status").textContent = state.status;
   $("status").className = "pill " + state.status;
-  $("stages").replaceChildren(...state.stages.map(stageCard));
+  // Rebuild the cards only when something but the busy shares changed; else move the bars.
+  const signature = JSON.stringify(state.stages.map((s) => ({ ...s, busy: undefined })));
+  const cards = $("stages").children;
+  if (signature !== page.stagesSignature || cards.length !== state.stages.length) {
+    page.stagesSignature = signature;
+    $("stages").replaceChildren(...state.stages.map(stageCard));
+  } else {
+    state.stages.forEach((stage, i) => showBusy(cards[i], stage.busy));
+  }
   const requests = state.requests;
   const rows = [
     ["requests running", `${requests.running} of ${requests.max_batch}`],
