@@ -20,14 +20,12 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
+from _served_app import served_app
 
 from stagerun import open_pipeline
 from stagerun._driver._config import SupervisionPolicy
 from stagerun._driver._supervise import StageProcess, running_pids
 from stagerun._driver._values import StageInfo
-from stagerun.server import create_app
 from stagerun.server._metrics import BATCH_BUCKETS, BusySampler, Histogram, cpu_seconds
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
@@ -109,20 +107,8 @@ def test_busy_fractions_cover_the_time_since_the_previous_sample() -> None:
 
 @asynccontextmanager
 async def http_server(pipeline: Any) -> AsyncIterator[str]:
-    config = HypercornConfig()
-    config.bind = ["127.0.0.1:0"]
-    config.graceful_timeout = 1.0
-    config.accesslog = None
-    app: Any = create_app(pipeline, model_id="tiny")
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(
-            functools.partial(serve, app, config, shutdown_trigger=stop.wait)
-        )
-        try:
-            yield binds[0]
-        finally:
-            stop.set()
+    async with served_app(pipeline) as url:
+        yield url
 
 
 def _samples(text: str) -> dict[str, float]:

@@ -7,7 +7,6 @@ so "the pool is full" is a state the test controls, not a race against a fast ti
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 from collections.abc import AsyncIterator
@@ -18,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
+from _served_app import served_app
 
 from stagerun import LaneBrokenError, LaneTimeoutError, Pipeline, StageError, open_pipeline
 from stagerun.server import create_app
@@ -72,20 +70,8 @@ class GatedPipeline:
 
 @asynccontextmanager
 async def http_server(pipeline: Any, **options: Any) -> AsyncIterator[str]:
-    config = HypercornConfig()
-    config.bind = ["127.0.0.1:0"]
-    config.graceful_timeout = 1.0
-    config.accesslog = None
-    app: Any = create_app(pipeline, model_id="tiny", **options)
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(
-            functools.partial(serve, app, config, shutdown_trigger=stop.wait)
-        )
-        try:
-            yield binds[0]
-        finally:
-            stop.set()
+    async with served_app(pipeline, **options) as url:
+        yield url
 
 
 async def read_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, str]:
