@@ -42,4 +42,5 @@ async def test_a_request_turns_speculation_on_or_off(tiny: Path, server: str) ->
     assert ("draft_n" in default) == (server != "off")
     assert "draft_n" in on and int(on["draft_n"]) > 0  # type: ignore[call-overload]
     assert "draft_n" not in off
+    assert len(set(default_text.split())) > 1  # an answer of several words, not one repeated
     assert default_text == on_text == off_text  # speculation never changes the answer
