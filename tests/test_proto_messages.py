@@ -20,6 +20,7 @@ from stagerun._proto import (
     CARRIES_ACTIVATIONS,
     MAX_ERROR_MESSAGE,
     MAX_PREFIX_NAMES,
+    MAX_STATUS_SPANS,
     MAX_TOKENS_PER_MESSAGE,
     MAX_WINDOW_IDS,
     MESSAGE_TYPES,
@@ -312,6 +313,13 @@ sampling = st.builds(
     seed=keys,
     min_p=st.floats(0, 1) | st.just(1),
 )
+# a Status's spans: start, end after it, window, kind, batch; flattened
+spans = st.lists(
+    st.tuples(st.integers(0, 2**62 - 1), st.integers(0, 2**62 - 1), ids, st.integers(0, 1), ids).map(
+        lambda s: (s[0], s[0] + s[1], *s[2:])
+    ),
+    max_size=MAX_STATUS_SPANS,
+).map(lambda rows: tuple(v for row in rows for v in row))
 error_text = st.text(max_size=40) | st.just("é" * MAX_ERROR_MESSAGE)
 
 VALID_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
@@ -328,7 +336,7 @@ VALID_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
     "predictions": st.builds(Predictions, ids, ids, ids, maybe_tokens, stats),
     "cancelled": st.builds(Cancelled, ids, ids, window_ids),
     "error": st.builds(Error, ids, ids, error_text),
-    "status": st.builds(Status, ids, ids, prefix_stats),
+    "status": st.builds(Status, ids, ids, prefix_stats, ids, ids, ids, ids, spans),
 }
 
 

@@ -54,8 +54,10 @@ from .._wire._connect import ENV_SECRET, alternatives, open_connection
 from ..abc import ComputeBackend, Drafter
 from ..backends import NumpyBackend
 from ..model import ModelFile
+from ._clocks import StageClocks
 from ._config import DEFAULT_PREFILL_CREDIT, RecoveryPolicy, SpeculationConfig
 from ._lanes import LanePool
+from ._live import RequestLog
 from ._prefill import PrefillReport
 from ._request import Request
 from ._values import (
@@ -65,6 +67,7 @@ from ._values import (
     GenerationStream,
     StageHealth,
     StageInfo,
+    StageWork,
     TokenChunk,
 )
 
@@ -111,6 +114,8 @@ class Pipeline:
         self.chat_template = chat_template  # in place of the model's (PipelineConfig's)
         self.recovery = recovery or RecoveryPolicy()
         self.recoveries = 0  # lane failures survived, over every request
+        self.live = RequestLog()  # the latest requests, as the web page's timeline shows them
+        self._clocks = StageClocks()  # the stages' clocks against this process's
         self.recovery_failures = 0
         self.speculation = speculation or SpeculationConfig()
         self.config = model.config
@@ -191,11 +196,12 @@ class Pipeline:
                 "opened it (its lanes and stages live there), or open one in this run"
             )
 
-    async def check_health(self, timeout: float = 1.0) -> list[StageHealth]:
+    async def check_health(self, timeout: float = 1.0, *, work_of: int = 0) -> list[StageHealth]:
         """Probe every stage at once: a handshake must complete within ``timeout`` seconds.
 
-        A stage that answers is also asked for its `_proto.Status` (its prefix cache). A
-        closed pipeline reports every stage ``closed``, probing nothing.
+        A stage that answers is also asked for its `_proto.Status` (its prefix cache, its
+        ticks, and the latest computes of request ``work_of``, if not 0: see `StageWork`).
+        A closed pipeline reports every stage ``closed``, probing nothing.
         """
         if self.closed:
             return [
@@ -203,7 +209,8 @@ class Pipeline:
             ]
         self.check_usable()
         own = self.prefix_cache.stats() if self.prefix_cache is not None else None
-        results: list[StageHealth] = [StageHealth(self.stages[0], "ready", prefix_cache=own)]
+        work = StageWork.from_status(self.engine.status(work_of))
+        results = [StageHealth(self.stages[0], "ready", prefix_cache=own, work=work)]
         probes: dict[str, AddressHealth] = {}
         secret = self.pool.secret if self.pool is not None else ENV_SECRET  # the lanes' own
 
@@ -222,17 +229,24 @@ class Pipeline:
                 return
             elapsed = (time.perf_counter() - start) * 1000.0
             status: _proto.PrefixStats | None = None
+            work: StageWork | None = None
             try:
-                await stream.send(_proto.Probe(request_id=0), timeout=timeout)
+                asked = time.perf_counter_ns()
+                await stream.send(_proto.Probe(request_id=work_of), timeout=timeout)
                 reply = (await stream.receive(timeout=timeout)).message
                 if isinstance(reply, _proto.Status):
                     status = reply.prefix
+                    answered = time.perf_counter_ns()
+                    offset = self._clocks.offset(
+                        address, asked, reply.clock_ns, answered, reply.clock_id
+                    )
+                    work = StageWork.from_status(reply, offset)
             except LaneError:
                 pass  # it answered the handshake: ready, with nothing to report
             finally:
                 await stream.aclose_forcefully()
             probes[address] = AddressHealth(
-                address, "ready", latency_ms=elapsed, prefix_cache=status
+                address, "ready", latency_ms=elapsed, prefix_cache=status, work=work
             )
 
         each = {info.index: alternatives(info.address or "") for info in self.stages[1:]}
@@ -251,6 +265,7 @@ class Pipeline:
                 standbys=tuple(standbys),
                 serving=serving,
                 prefix_cache=primary.prefix_cache,
+                work=primary.work,
             )
             results.append(health)
         return results
@@ -412,9 +427,11 @@ class Pipeline:
         **options: Any,
     ) -> Completion:
         request = Request(self, prompt_ids, max_tokens, sampling, emit, **options)
+        self.live.begin(request.live)
         try:
             return await request.run()
         finally:  # what the request counted, whichever way it ended
+            self.live.end(request.live)
             self.recoveries += request.recoveries
             self.recovery_failures += request.recovery_failed
             if request.last_prefill is not None:

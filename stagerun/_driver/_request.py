@@ -47,6 +47,7 @@ from ..model import ModelFile
 from ._config import RecoveryPolicy, SpeculationConfig
 from ._forced import GrammarDrafter
 from ._lanes import LanePool
+from ._live import LiveRequest
 from ._logprobs import LogprobRows, scored_prompt
 from ._prefill import PrefillReport
 from ._route import SCORING_CHUNK, LaneRoute, LocalRoute, PrefillSettings, Route
@@ -147,6 +148,7 @@ class Request:
         self.drafter = drafter
         self.eog = frozenset[int]() if ignore_eog else pipeline.model.config.eog_ids
         self.request_id = secrets.randbits(62)
+        self.live = LiveRequest(self.request_id)  # what the web page's timeline shows of it
         self.generated: list[int] = []
         # with logprobs asked for: the last stage's rows by the position they predict, and
         # the committed tokens' (`note`, `commit`)
@@ -394,6 +396,7 @@ class Request:
         self.recovery_timings.recoveries = attempt.breaks
         self.recovery_timings.wait_ms = attempt.wait_ms
         self.recoveries += 1
+        self.live.recovered()
         self.request_id = secrets.randbits(62)  # a new chain session on every stage
 
     async def _await_lane(self, policy: RecoveryPolicy, failure: Exception) -> None:

@@ -48,6 +48,7 @@ from .._util import one_failure, single_exceptions
 from ..abc import Drafter
 from ._config import SpeculationConfig
 from ._forced import GrammarDrafter
+from ._live import LiveRequest
 from ._route import Route
 
 _Reply = _proto.Predictions | _proto.Cancelled
@@ -111,6 +112,10 @@ class Speculating(Protocol):
     @property
     def vocab_size(self) -> int:
         """The model's vocabulary: every draft is a token id below it."""
+
+    @property
+    def live(self) -> LiveRequest:
+        """The request's record for the web page (its windows, as they open and settle)."""
 
 
 class SpeculativeDecode:
@@ -197,24 +202,26 @@ class SpeculativeDecode:
     ) -> None:
         controller = self.controller
         before = controller.stats()
-        was_stale = (
-            self._tel.enabled
-            and isinstance(reply, _proto.Predictions)
-            and any(w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight)
+        was_stale = isinstance(reply, _proto.Predictions) and any(
+            w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight
         )
+        live = self.request.live
         if isinstance(reply, _proto.Cancelled):
             for window_id in reply.window_ids:
                 self._costs.pop(window_id, None)
             controller.on_cancelled(reply.window_ids, now_ms=self.now_ms())
+            live.settled(reply.window_ids, "cancelled")
         else:
             timings = self._window_timings(reply.window_id, arrived_ms)
-            if not any(w.stale and w.id == reply.window_id for w in controller.scheduler.in_flight):
+            if not was_stale:
                 self.request.note(reply, reply.position + 1)
             await self.apply(
                 controller.on_predictions(
                     reply.window_id, reply.tokens, now_ms=self.now_ms(), timings=timings
                 )
             )
+            accepted = controller.stats().accepted - before.accepted
+            live.settled((reply.window_id,), "stale" if was_stale else "verified", accepted)
         if self._tel.enabled:
             _window_spans(
                 self._tel,
@@ -325,6 +332,7 @@ class SpeculativeDecode:
         """Compute stage 0's part of ``window`` and send it (or verify it here, alone)."""
         if self._tel.enabled:
             self._opened_ns[window.id] = (telemetry.now_ns(), len(window.inputs))
+        self.request.live.opened(window.id, len(window.proposal))
         message = _proto.Verify(
             request_id=self.request_id,
             window_id=window.id,

@@ -75,6 +75,28 @@ class StageInfo:
 
 
 @attrs.frozen
+class StageWork:
+    """What a probed stage said of its work: its ticks so far (``ticks`` batched forwards
+    that computed ``tick_items``), and one request's latest computes, ``spans`` of (start,
+    end, window id, kind, batch) with start and end on the prober's `time.perf_counter_ns`
+    clock (see `_proto.Status`)."""
+
+    ticks: int = 0
+    tick_items: int = 0
+    spans: tuple[tuple[int, int, int, int, int], ...] = ()
+
+    @classmethod
+    def from_status(cls, status: _proto.Status, offset_ns: int = 0) -> StageWork:
+        """``status``'s figures, its spans moved by ``offset_ns`` onto the prober's clock."""
+        flat, n = status.spans, _proto.SPAN_FIELDS
+        spans = tuple(
+            (flat[i] + offset_ns, flat[i + 1] + offset_ns, flat[i + 2], flat[i + 3], flat[i + 4])
+            for i in range(0, len(flat), n)
+        )
+        return cls(status.ticks, status.tick_items, spans)
+
+
+@attrs.frozen
 class AddressHealth:
     """The result of probing one address of a stage (its primary, or a standby)."""
 
@@ -83,6 +105,7 @@ class AddressHealth:
     error: str | None = None
     latency_ms: float | None = None
     prefix_cache: _proto.PrefixStats | None = None  # what the stage reported, if it did
+    work: StageWork | None = None  # likewise
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"address": self.address, "state": self.state}
@@ -109,6 +132,7 @@ class StageHealth:
     standbys: tuple[AddressHealth, ...] = ()
     serving: str | None = None
     prefix_cache: _proto.PrefixStats | None = None  # the primary's (stage 0: its own)
+    work: StageWork | None = None  # the primary's (stage 0: its own)
 
     @property
     def primary(self) -> str:

@@ -37,6 +37,7 @@ from ._batcher import TickBatcher, TickInfo
 from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
 from ._grammar import GrammarError, Grammars
 from ._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, keep_blocks, restore_blocks
+from ._recent import RecentWork, clock_id
 from ._sampler import RowSampler
 from ._session import Session, StopCheck, check_finite, compute_stats
 
@@ -89,6 +90,7 @@ class StageEngine:
         self.stale_stopped = 0  # stale windows whose compute stopped at a layer boundary
         # ... and the layer each stopped before (strictly inside this stage's layers)
         self.stale_stopped_layers: collections.Counter[int] = collections.Counter()
+        self.recent = RecentWork()  # the latest computes, for a probe that asks (the web page)
 
     def __repr__(self) -> str:
         lo, hi = self.backend.layers
@@ -102,6 +104,21 @@ class StageEngine:
     def is_last(self) -> bool:
         """Whether this stage holds the model's last layer (and so samples)."""
         return bool(self.backend.is_last)
+
+    def status(self, request_id: int = 0) -> _proto.Status:
+        """The stage's answer to a ``Probe``: its prefix cache, its ticks so far, and the
+        latest computes of ``request_id`` (none for 0), on its clock (see `RecentWork`)."""
+        cache = self.prefix_cache
+        return _proto.Status(
+            request_id=request_id,
+            stage_index=self.index,
+            prefix=cache.stats() if cache is not None else _proto.PrefixStats(),
+            clock_ns=time.perf_counter_ns(),
+            clock_id=clock_id(),
+            ticks=self.batcher.ticks,
+            tick_items=self.batcher.items,
+            spans=self.recent.of(request_id),
+        )
 
     # -- a session's life ---------------------------------------------------------------------
 
@@ -257,7 +274,12 @@ class StageEngine:
             )
         except ComputeCancelled:
             assert stop is not None, "only a verify window's compute is ever stopped"
-            self._count_stopped(message, stop.layers_done, time.perf_counter() - start)
+            ended = time.perf_counter()
+            self._count_stopped(message, stop.layers_done, ended - start)
+            assert isinstance(message, _proto.Verify)
+            self.recent.stopped(
+                message.request_id, int(start * 1e9), int(ended * 1e9), message.window_id
+            )
             raise
         check_finite(self.backend, out)
         if scoring:  # every row scores the prompt; the answer needs the last one only
@@ -270,6 +292,14 @@ class StageEngine:
         session.tokens += len(message.tokens)
         session.compute_us += compute_us
         _spans.stage_computed(self.index, message, tick.seconds, tick.batch)
+        started_ns = int(tick.started * 1e9)
+        self.recent.computed(
+            message.request_id,
+            started_ns,
+            started_ns + compute_us * 1000,
+            message.window_id if isinstance(message, _proto.Verify) else 0,
+            tick.batch,
+        )
         return out, compute_stats(message, compute_us, self.index)
 
     def answer(

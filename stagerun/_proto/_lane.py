@@ -44,11 +44,11 @@ from ._messages import (
     Prefill,
     Probe,
     Remember,
-    Status,
     Stop,
     Trim,
     Verify,
 )
+from ._status import Status
 
 __all__ = [
     "RULES",

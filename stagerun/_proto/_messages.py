@@ -49,8 +49,9 @@ from ._sampling_params import (
     SamplingParams,
     _as_floats,
 )
+from ._status import Status
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 
 MAX_TOKENS_PER_MESSAGE: Final = 65536
 MAX_WINDOW_IDS: Final = 64
@@ -208,7 +209,10 @@ class Remember:
 
 @attrs.frozen
 class Probe:
-    """Ask the stage at the other end of this connection for its `Status` (not forwarded)."""
+    """Ask the stage at the other end of this connection for its `Status` (not forwarded).
+
+    ``request_id``: the request whose recent work on the stage the `Status` lists (0: none).
+    """
 
     kind: ClassVar[str] = "probe"
     request_id: int = attrs.field(validator=_ID)
@@ -239,34 +243,6 @@ class Ack:
         default=_NO_STATS, validator=attrs.validators.instance_of(StageStats)
     )
     cached: int = attrs.field(default=0, validator=_ID)
-
-
-@attrs.frozen
-class PrefixStats:
-    """A stage's prefix cache, as its `Status` reports it (counts since the stage started)."""
-
-    enabled: bool = attrs.field(default=False, validator=_is_bool)
-    blocks: int = attrs.field(default=0, validator=_ID)
-    bytes: int = attrs.field(default=0, validator=_ID)
-    max_bytes: int = attrs.field(default=0, validator=_ID)
-    hits: int = attrs.field(default=0, validator=_ID)
-    misses: int = attrs.field(default=0, validator=_ID)
-    hit_tokens: int = attrs.field(default=0, validator=_ID)
-    lookup_tokens: int = attrs.field(default=0, validator=_ID)
-    stored_blocks: int = attrs.field(default=0, validator=_ID)
-    evicted_blocks: int = attrs.field(default=0, validator=_ID)
-
-
-@attrs.frozen
-class Status:
-    """A stage's answer to a `Probe`: what its caches hold."""
-
-    kind: ClassVar[str] = "status"
-    request_id: int = attrs.field(validator=_ID)
-    stage_index: int = attrs.field(validator=_ID)
-    prefix: PrefixStats = attrs.field(
-        default=PrefixStats(), validator=attrs.validators.instance_of(PrefixStats)
-    )
 
 
 @attrs.frozen

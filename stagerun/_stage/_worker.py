@@ -197,11 +197,7 @@ class LaneWorker:
                     )
                     await self.sink.send(cancelled, timeout=server.reply_timeout)
             case cmd.SendStatus(request_id):
-                cache = engine.prefix_cache
-                held = cache.stats() if cache is not None else _proto.PrefixStats()
-                await self._send_up(
-                    _proto.Status(request_id=request_id, stage_index=server.index, prefix=held)
-                )
+                await self._send_up(engine.status(request_id))
             case cmd.RememberBlocks(session, prefix):
                 await engine.remember(session, prefix)
             case cmd.Fail(request_id, text, upstream):
