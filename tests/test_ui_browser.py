@@ -3,7 +3,8 @@
 
 One test walks what a person does: open the page (no console errors, nothing fetched from
 anywhere but the server), watch the pipeline view list every stage, send a chat and see its
-tokens stream in, watch the view count the running request, press stop and see the server
+tokens stream in, watch the view count the running request and draw its work on every stage
+in the timeline, press stop and see the server
 count the client gone; then a model answer with markup in it, shown as text. Screenshots go
 to the test's folder, and to ``$STAGERUN_UI_SCREENSHOTS`` when it is set; docs/img's were
 made with ``STAGERUN_UI_MODEL=smollm2 STAGERUN_UI_SCREENSHOTS=docs/img`` (the tiny model's
@@ -67,7 +68,6 @@ async def test_chat_stream_stop_and_the_pipeline_view_in_a_browser(
             health = (await trio.to_thread.run_sync(server.health)).json()
             layers = [f"{lo}..{hi}" for lo, hi in (s["layers"] for s in health["stages"])]
             assert len(layers) == 3 and set(layers) <= set(shown), (layers, shown)
-            await _shot(page, tmp_path, "ui-pipeline.png")
 
             # a chat streams into the page; the view counts it running; stop cancels it
             before = await trio.to_thread.run_sync(_disconnects, url)
@@ -91,7 +91,15 @@ async def test_chat_stream_stop_and_the_pipeline_view_in_a_browser(
                 "e.textContent))",
                 timeout=10,
             )
-            await _shot(page, tmp_path, "ui-chat.png")
+            # the timeline draws the request's work on every stage as it runs
+            caption = await page.until(
+                "/running · computes per stage: [1-9][0-9]*, [1-9][0-9]*, [1-9][0-9]* /.test("
+                "document.getElementById('timeline-caption').textContent) && "
+                "document.getElementById('timeline-caption').textContent",
+                timeout=10,
+            )
+            assert not await page.js("document.getElementById('timeline').hidden"), caption
+            await _shot(page, tmp_path, "ui-pipeline.png")
             await page.js("document.getElementById('stop').click()")
             await page.until("document.getElementById('send').disabled === false", timeout=5)
             with trio.fail_after(10):
@@ -99,6 +107,7 @@ async def test_chat_stream_stop_and_the_pipeline_view_in_a_browser(
                     await trio.sleep(0.1)
             facts = await page.js("document.querySelector('.message.assistant .facts').textContent")
             assert "stopped" in facts and "first token" in facts, facts
+            await _shot(page, tmp_path, "ui-chat.png")
 
             await _markup_is_text(page)
             assert page.errors() == []

@@ -12,12 +12,15 @@ server sees a client that went away and cancels the generation, which
 ``stagerun_client_disconnects_total`` counts). The pipeline view polls ``/ui/state``: the
 detailed ``/health`` (every stage's layers, backend, address, state, restarts and prefix
 cache; the lanes; requests running and queued; KV reserved), with each stage's busy share
-since the previous snapshot and stage 0's ticks. It holds no request's text, and it is built
-at most once per `STATE_INTERVAL` seconds however many pages poll: later polls get the same
-snapshot; the stages are probed (a handshake each) once per `PROBE_INTERVAL` at most, the
-rest (process states, busy shares, requests, KV) read fresh for each snapshot. It needs what
-the detailed ``/health`` needs (an API key, on a server with keys); the page itself does not,
-and asks for the key when the API answers 401.
+since the previous snapshot and its forwards per tick between probes, and the ``timeline``
+of the latest request (`stagerun.server._ui_timeline`: its computes on every stage, its
+verify windows, its recoveries). It holds no request's text or id, and it is built at most
+once per `STATE_INTERVAL` seconds however many pages poll: later polls get the same
+snapshot. The stages are probed (a handshake each, asking for the latest request's recent
+work) for every snapshot while that request runs or has just ended, else once per
+`PROBE_INTERVAL`; the rest (process states, busy shares, requests, KV) is read fresh for
+each snapshot. It needs what the detailed ``/health`` needs (an API key, on a server with
+keys); the page itself does not, and asks for the key when the API answers 401.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ from ._clients import client_of
 from ._health import detailed_health
 from ._openai import ApiError
 from ._state import server_state
+from ._ui_timeline import recent_batches, timeline
 
 # Seconds a /ui/state snapshot is served before the next poll builds a new one.
 STATE_INTERVAL = 1.0
-# Seconds between the stage probes (a handshake with every stage) behind the snapshots; the
-# supervised processes' states, busy shares and requests are read fresh for each snapshot.
+# Seconds between the stage probes (a handshake with every stage) behind the snapshots while
+# no request runs; the supervised processes' states, busy shares and requests are read fresh
+# for each snapshot.
 PROBE_INTERVAL = 5.0
 #: Every answer of the page's routes: nothing but this server, no inline code, no framing.
 CSP = (
@@ -71,6 +76,7 @@ class _Snapshot:
     def __init__(self) -> None:
         self.body: dict[str, Any] | None = None
         self.health: Any = None  # the stages' latest probes
+        self.batches: dict[int, float] = {}  # each stage's forwards per tick between probes
         self.probed = -float("inf")
         self.built = -float("inf")
         self.lock = trio.Lock()
@@ -99,19 +105,34 @@ async def ui_state(request: Request) -> Response:
     snapshot: _Snapshot = request.app.state.ui_snapshot
     async with snapshot.lock:  # polls that arrive while one builds get its result
         if snapshot.body is None or time.monotonic() - snapshot.built >= STATE_INTERVAL:
-            if time.monotonic() - snapshot.probed >= PROBE_INTERVAL:
-                state = server_state(request)
-                snapshot.health = await state.pipeline.check_health(
-                    timeout=state.http.health_timeout
-                )
-                snapshot.probed = time.monotonic()
-            body, _status = await detailed_health(request, "ui", snapshot.health)
-            body["time"] = time.time()
-            body["interval"] = STATE_INTERVAL
-            body["client_disconnects"] = server_state(request).metrics.disconnects
-            snapshot.body, snapshot.built = body, time.monotonic()
+            snapshot.body, snapshot.built = await _build(request, snapshot), time.monotonic()
         body = snapshot.body
     return JSONResponse(body, headers=_HEADERS)
+
+
+async def _build(request: Request, snapshot: _Snapshot) -> dict[str, Any]:
+    """A new /ui/state document; the stages are probed first if they are due (every
+    `PROBE_INTERVAL`, or every snapshot while the timeline's request runs or just ended)."""
+    state = server_state(request)
+    record = state.pipeline.live.latest()
+    watching = record is not None and (
+        record.running or time.perf_counter_ns() - record.ended_ns < 2 * STATE_INTERVAL * 1e9
+    )
+    if watching or time.monotonic() - snapshot.probed >= PROBE_INTERVAL:
+        health = await state.pipeline.check_health(
+            timeout=state.http.health_timeout,
+            work_of=record.request_id if record is not None else 0,
+        )
+        snapshot.batches = recent_batches(snapshot.health, health)
+        snapshot.health, snapshot.probed = health, time.monotonic()
+    body, _status = await detailed_health(request, "ui", snapshot.health)
+    for stage in body["stages"]:
+        stage["recent_batch"] = snapshot.batches.get(stage["index"])
+    body["time"] = time.time()
+    body["interval"] = STATE_INTERVAL
+    body["client_disconnects"] = state.metrics.disconnects
+    body["timeline"] = timeline(record, snapshot.health, time.perf_counter_ns())
+    return body
 
 
 def ui_routes() -> list[Route]:

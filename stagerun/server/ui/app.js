@@ -239,7 +239,8 @@ function stageCard(stage) {
   ];
   if (stage.process) facts.push(["restarts", String(stage.process.restarts)]);
   if (stage.latency_ms !== undefined) facts.push(["probe", `${stage.latency_ms.toFixed(1)} ms`]);
-  if (stage.batch) facts.push(["forwards per tick", String(stage.batch.mean_items_per_tick ?? "–")]);
+  const batch = stage.recent_batch ?? (stage.batch && stage.batch.mean_items_per_tick);
+  facts.push(["forwards per tick", batch === undefined || batch === null ? "–" : String(batch)]);
   if (stage.prefix_cache) {
     const cache = stage.prefix_cache;
     facts.push(["prefix cache", `${mib(cache.bytes)}, ${cache.hits ?? 0} hits`]);
@@ -288,6 +289,68 @@ function showState(state) {
     return row;
   }));
   $("updated").textContent = new Date(state.time * 1000).toLocaleTimeString();
+  drawTimeline(state.timeline);
+}
+
+// -- the timeline of the request in flight ------------------------------------------------
+
+const COLOURS = {
+  compute: "#3a6ea5", stale: "#c0392b", verified: "#2e7d32", cancelled: "#c0392b",
+  open: "#9aa3ad", recovery: "#f0a202", grid: "#d9dde3", text: "#6b7480",
+};
+
+// One row per stage (its computes), above them one for stage 0's verify windows (sent to
+// settled); times are milliseconds before the snapshot, the right edge "now" (or the end).
+function drawTimeline(line) {
+  $("timeline").hidden = !line;
+  if (!line) return;
+  const canvas = $("timeline-canvas");
+  const scale = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth, height = canvas.clientHeight;
+  canvas.width = Math.round(width * scale);
+  canvas.height = Math.round(height * scale);
+  const g = canvas.getContext("2d");
+  g.setTransform(scale, 0, 0, scale, 0, 0);
+  g.clearRect(0, 0, width, height);
+  const left = 52, right = width - 6;
+  const from = line.since_ms, to = line.end_ms ?? 0;
+  const span = Math.max(1, to - from);
+  const x = (ms) => left + ((Math.min(Math.max(ms, from), to) - from) / span) * (right - left);
+  const rows = line.stages.length + 1;
+  const rowHeight = (height - 18) / rows;
+  g.font = "11px system-ui, sans-serif";
+  g.textBaseline = "middle";
+  g.fillStyle = COLOURS.text;
+  g.fillText("windows", 2, rowHeight / 2);
+  line.windows.forEach(([id, opened, settled, outcome], i) => {
+    const lane = 3 + (i % 4) * ((rowHeight - 6) / 4);
+    g.fillStyle = COLOURS[outcome] || COLOURS.open;
+    g.fillRect(x(opened), lane, Math.max(1.5, x(settled ?? to) - x(opened)), (rowHeight - 6) / 4 - 1);
+  });
+  line.stages.forEach((spans, stage) => {
+    const top = (stage + 1) * rowHeight;
+    g.fillStyle = COLOURS.grid;
+    g.fillRect(left, top + rowHeight - 1, right - left, 1);
+    g.fillStyle = COLOURS.text;
+    g.fillText(`stage ${stage}`, 2, top + rowHeight / 2);
+    for (const [start, end, kind] of spans) {
+      g.fillStyle = COLOURS[kind] || COLOURS.compute;
+      g.fillRect(x(start), top + 3, Math.max(1, x(end) - x(start)), rowHeight - 7);
+    }
+  });
+  g.fillStyle = COLOURS.recovery;
+  for (const at of line.recoveries) g.fillRect(x(at) - 1, 0, 2, height - 18);
+  g.fillStyle = COLOURS.text;
+  g.textBaseline = "bottom";
+  g.fillText(`${(from / 1000).toFixed(1)} s`, left, height - 2);
+  const edge = line.running ? "now" : "ended";
+  g.fillText(edge, right - g.measureText(edge).width, height - 2);
+  const stale = line.windows.filter((w) => w[3] === "stale" || w[3] === "cancelled").length;
+  const computes = line.stages.map((spans) => spans.length).join(", ");
+  $("timeline-caption").textContent =
+    `request ${line.request} ${line.running ? "running" : "ended"} · computes per stage: ` +
+    `${computes} · windows ${line.windows.length} (${stale} stale) · ` +
+    `recoveries ${line.recoveries.length}`;
 }
 
 async function poll() {
