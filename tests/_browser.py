@@ -86,8 +86,22 @@ class Page:
                 await trio.sleep(0.05)
         return value
 
-    async def screenshot(self, path: Path) -> None:
-        shot = await self.call("Page.captureScreenshot", format="png")
+    async def screenshot(self, path: Path, *, element: str | None = None) -> None:
+        """The window as PNG; with ``element`` (a CSS selector), that element alone, the
+        window made tall enough to show all of it."""
+        if element is None:
+            shot = await self.call("Page.captureScreenshot", format="png")
+        else:
+            box = await self.js(
+                f"(() => {{ const r = document.querySelector({json.dumps(element)})"
+                ".getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()"
+            )
+            shot = await self.call(
+                "Page.captureScreenshot",
+                format="png",
+                captureBeyondViewport=True,
+                clip={"x": box[0], "y": box[1], "width": box[2], "height": box[3], "scale": 1},
+            )
         path.write_bytes(base64.b64decode(shot["data"]))  # noqa: ASYNC240 (small, local)
 
     def errors(self) -> list[str]:

@@ -43,8 +43,16 @@ def _disconnects(url: str) -> float:
     raise AssertionError("no stagerun_client_disconnects_total in /metrics")
 
 
-async def _shot(page: Page, folder: Path, name: str) -> None:
-    await page.screenshot(folder / name)
+async def _shot(page: Page, folder: Path, name: str, element: str | None = None) -> None:
+    """A screenshot of the window, or of ``element`` in a window tall enough to show it."""
+    if element is None:
+        await page.screenshot(folder / name)
+    else:
+        metrics = {"width": 1280, "height": 1150, "deviceScaleFactor": 1, "mobile": False}
+        await page.call("Emulation.setDeviceMetricsOverride", **metrics)
+        await trio.sleep(0.3)  # a frame laid out at that size
+        await page.screenshot(folder / name, element=element)
+        await page.call("Emulation.clearDeviceMetricsOverride")
     extra = os.environ.get("STAGERUN_UI_SCREENSHOTS")
     if extra:
         shutil.copy(folder / name, Path(extra) / name)
@@ -74,6 +82,7 @@ async def test_chat_stream_stop_and_the_pipeline_view_in_a_browser(
             await page.js(  # a seed: the same long answer every run (no early end token)
                 "document.getElementById('max-tokens').value = 4000;"
                 "document.getElementById('seed').value = 7;"
+                "document.getElementById('speculative').value = 'true';"
                 "document.getElementById('prompt').value = 'Once upon a time, a fox named';"
                 "document.getElementById('send').click()"
             )
@@ -91,15 +100,17 @@ async def test_chat_stream_stop_and_the_pipeline_view_in_a_browser(
                 "e.textContent))",
                 timeout=10,
             )
-            # the timeline draws the request's work on every stage as it runs
+            # the timeline draws the request's work on every stage as it runs, and its
+            # verify windows (the chat asked for speculation)
             caption = await page.until(
-                "/running · computes per stage: [1-9][0-9]*, [1-9][0-9]*, [1-9][0-9]* /.test("
+                "/running · computes per stage: [1-9][0-9]*, [1-9][0-9]*, [1-9][0-9]* · "
+                "windows [1-9]/.test("
                 "document.getElementById('timeline-caption').textContent) && "
                 "document.getElementById('timeline-caption').textContent",
                 timeout=10,
             )
             assert not await page.js("document.getElementById('timeline').hidden"), caption
-            await _shot(page, tmp_path, "ui-pipeline.png")
+            await _shot(page, tmp_path, "ui-pipeline.png", element="#pipeline-pane")
             await page.js("document.getElementById('stop').click()")
             await page.until("document.getElementById('send').disabled === false", timeout=5)
             with trio.fail_after(10):
