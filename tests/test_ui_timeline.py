@@ -136,8 +136,8 @@ def test_the_document_marks_the_work_of_stale_windows_on_every_stage() -> None:
     assert doc["stages"][0] == [[-400.0, -390.0, "compute", 1, 1], [-380.0, -370.0, "stale", 2, 1]]
     assert [s[2] for s in doc["stages"][1]] == ["compute", "stale"]
     assert doc["windows"] == [
-        [1, -405.0, -350.0, "verified", 2, 1],
-        [2, -385.0, -340.0, "stale", 2, 0],
+        [1, -405.0, -350.0, "verified", 2, 1, 0],
+        [2, -385.0, -340.0, "stale", 2, 0, 0],
     ]
     assert timeline(None, _health(stage0), now) is None
     # a long request shows its last HORIZON_MS only
@@ -145,6 +145,23 @@ def test_the_document_marks_the_work_of_stale_windows_on_every_stage() -> None:
     assert timeline(record, _health(stage0, stage1), late)["stages"][0] == [  # type: ignore[index]
         [-HORIZON_MS - 5.0, -HORIZON_MS + 5.0, "stale", 2, 1]
     ]
+
+
+def test_after_a_recovery_a_compute_is_matched_with_its_own_attempt_s_windows() -> None:
+    ms = 1_000_000
+    record = LiveRequest(5, number=1, started_ns=1_000 * ms)
+    record.opened(1, drafts=2)
+    record.recovered()  # window 1 of the first attempt was lost with its lane
+    record.opened(1, drafts=2)
+    record.settled((1,), "verified", accepted=2)
+    first, second = record.windows
+    assert (first.outcome, first.attempt) == ("cancelled", 0)
+    assert (second.outcome, second.attempt) == ("verified", 1)
+    record.recoveries[0] = 1_100 * ms
+    spans = ((1_050 * ms, 1_060 * ms, 1, 0, 1), (1_150 * ms, 1_160 * ms, 1, 0, 1))
+    doc = timeline(record, _health(spans), 1_200 * ms)
+    assert doc is not None and [s[2] for s in doc["stages"][0]] == ["stale", "compute"]
+    assert [w[6] for w in doc["windows"]] == [0, 1] and doc["recoveries"] == [-100.0]
 
 
 def test_the_batch_size_of_each_stage_between_two_probes() -> None:
@@ -177,7 +194,7 @@ def _check_causality(doc: dict[str, Any], hop_ms: float) -> None:
         for start, end, kind, window, _batch in spans:
             if window not in windows:
                 continue
-            _id, opened, settled, outcome, _drafts, _accepted = windows[window]
+            _id, opened, settled, outcome, *_ = windows[window]
             assert start >= opened + stage * hop_ms - 1, (stage, window, start, opened)
             if outcome == "verified" and stage == last:
                 assert end <= settled - hop_ms + 1, (stage, window, end, settled)

@@ -31,11 +31,13 @@ Outcome = Literal["open", "verified", "stale", "cancelled"]
 @attrs.define
 class LiveWindow:
     """A verify window: opened at ``opened_ns``; settled at ``settled_ns`` (0 while open)
-    as ``outcome``, with ``accepted`` of its ``drafts`` drafts taken."""
+    as ``outcome``, with ``accepted`` of its ``drafts`` drafts taken. ``attempt``: the
+    recoveries before it (each attempt numbers its windows from 1 again)."""
 
     window_id: int
     opened_ns: int
     drafts: int
+    attempt: int = 0
     settled_ns: int = 0
     outcome: Outcome = "open"
     accepted: int = 0
@@ -55,6 +57,7 @@ class LiveRequest:
     recoveries: collections.deque[int] = attrs.field(
         factory=lambda: collections.deque(maxlen=MAX_RECOVERIES)
     )
+    attempts: int = 0  # recoveries so far (``recoveries`` keeps the latest moments only)
     _open: dict[int, LiveWindow] = attrs.field(factory=dict, repr=False)
 
     @property
@@ -63,7 +66,7 @@ class LiveRequest:
 
     def opened(self, window_id: int, drafts: int) -> None:
         """Window ``window_id`` was sent with ``drafts`` drafts."""
-        window = LiveWindow(window_id, time.perf_counter_ns(), drafts)
+        window = LiveWindow(window_id, time.perf_counter_ns(), drafts, self.attempts)
         self.windows.append(window)
         self._open[window_id] = window
 
@@ -80,9 +83,14 @@ class LiveRequest:
                 del self._open[window_id]
 
     def recovered(self) -> None:
-        """The request's lane failed and it recovered on another."""
-        self.recoveries.append(time.perf_counter_ns())
-        self._open.clear()  # the failed lane's windows will not settle
+        """The request's lane failed and it recovered on another: the windows it had in
+        flight there are lost (``cancelled``), and the next attempt numbers its own."""
+        now = time.perf_counter_ns()
+        for window in self._open.values():
+            window.settled_ns, window.outcome = now, "cancelled"
+        self._open.clear()
+        self.recoveries.append(now)
+        self.attempts += 1
 
 
 class RequestLog:

@@ -6,10 +6,11 @@ recoveries), and every stage, stage 0 included, a ring of its latest computes
 (`stagerun._engine._recent.RecentWork`), which a probe naming the request brings back on stage
 0's clock (`StageWork`). `timeline` joins the two into the document the page draws: per stage
 the request's computes (a verify window's work drawn as stale on every stage once stage 0
-knows it went stale or was cancelled), its windows from sent to settled, its recoveries. All
-times are milliseconds before the snapshot (negative), over the last `HORIZON_MS` of the
-request at most; each list is bounded by the records it comes from. The request is shown by
-its number on this server, never by its wire id.
+knows it went stale or was cancelled; a recovery starts the window numbers again, so a
+compute is matched with the windows of the attempt it ran in), its windows from sent to
+settled, its recoveries. All times are milliseconds before the snapshot (negative), over the
+last `HORIZON_MS` of the request at most; each list is bounded by the records it comes from.
+The request is shown by its number on this server, never by its wire id.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ def timeline(
         return None
     end_ns = record.ended_ns or now_ns
     since_ns = max(record.started_ns, end_ns - int(HORIZON_MS * 1e6))
-    wasted = {w.window_id for w in record.windows if w.outcome in WASTED}
+    wasted = {(w.attempt, w.window_id) for w in record.windows if w.outcome in WASTED}
+
+    def attempt(at_ns: int) -> int:  # which attempt a compute that began then was part of
+        return record.attempts - sum(1 for r in record.recoveries if r > at_ns)
+
     stages: list[list[list[Any]]] = []
     for stage in health:
         spans = stage.work.spans if stage.work is not None else ()
@@ -51,7 +56,7 @@ def timeline(
                 [
                     _ms(start, now_ns),
                     _ms(end, now_ns),
-                    "stale" if window and window in wasted else _KINDS[kind],
+                    "stale" if window and (attempt(start), window) in wasted else _KINDS[kind],
                     window,
                     batch,
                 ]
@@ -67,6 +72,7 @@ def timeline(
             w.outcome,
             w.drafts,
             w.accepted,
+            w.attempt,
         ]
         for w in record.windows
         if (w.settled_ns or now_ns) >= since_ns
