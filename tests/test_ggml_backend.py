@@ -386,3 +386,37 @@ def test_interrupt_stops_a_graph_between_its_nodes(smollm2: ModelFile) -> None:
     assert stopped_after < 0.15 + whole / 3, (stopped_after, whole)  # not the whole prefill
     fresh = GgmlBackend(smollm2, (0, 10))
     assert np.array_equal(again, fresh.forward(fresh.new_cache(), 0, tokens=tokens))
+
+
+def test_a_small_graph_after_an_idle_spell_runs_on_one_thread(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waking a sleeping core cost 10 ms on these VMs: a decode step that comes
+    `WAKE_IDLE_S` after the previous graph takes one thread; one right behind it, or a big
+    graph (a prefill), takes the stage's threads."""
+    model = open_model(write_tiny_model(tmp_path / "tiny.gguf", n_layers=2))
+    backend = GgmlBackend(model, threads=2)
+    asked: list[int] = []
+    taken = backend._cores.taken
+
+    def recording(want: int) -> Any:
+        asked.append(want)
+        return taken(want)
+
+    monkeypatch.setattr(backend._cores, "taken", recording)
+    clock = [100.0]
+    monkeypatch.setattr(_backend.time, "perf_counter", lambda: clock[0])
+    cache = backend.new_cache()
+
+    def step(position: int, tokens: int) -> None:
+        ids = np.arange(1, tokens + 1, dtype=np.int64)
+        backend.forward_batch([ForwardItem(cache, position, tokens=ids, logits="last")])
+
+    step(0, 1)  # the first graph: after an idle spell as long as the process
+    clock[0] += _backend.WAKE_IDLE_S / 2
+    step(1, 1)  # right behind the previous one
+    clock[0] += _backend.WAKE_IDLE_S * 1.5
+    step(2, 1)  # after an idle spell
+    clock[0] += _backend.WAKE_IDLE_S * 1.5
+    step(3, _backend.REUSE_ROWS + 1)  # a prefill chunk, after an idle spell
+    assert asked == [1, 2, 1, 2]
