@@ -208,8 +208,9 @@ class Pipeline:
                 StageHealth(info, "closed", error="the pipeline is closed") for info in self.stages
             ]
         self.check_usable()
-        own = self.prefix_cache.stats() if self.prefix_cache is not None else None
-        work = StageWork.from_status(self.engine.status(work_of))
+        status = self.engine.status(work_of)  # stage 0's own, as a probe would get it
+        own = status.prefix if self.prefix_cache is not None else None
+        work = StageWork.from_status(status)
         results = [StageHealth(self.stages[0], "ready", prefix_cache=own, work=work)]
         probes: dict[str, AddressHealth] = {}
         secret = self.pool.secret if self.pool is not None else ENV_SECRET  # the lanes' own
