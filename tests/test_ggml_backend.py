@@ -13,6 +13,7 @@ import gc
 import logging
 import os
 import pathlib
+import subprocess
 import sys
 from typing import Any
 
@@ -420,3 +421,25 @@ def test_a_small_graph_after_an_idle_spell_runs_on_one_thread(
     clock[0] += _backend.WAKE_IDLE_S * 1.5
     step(3, _backend.REUSE_ROWS + 1)  # a prefill chunk, after an idle spell
     assert asked == [1, 2, 1, 2]
+
+
+LOCK_HELD = """
+from stagerun.backends._ggml._lib import load
+ffi, lib = load()
+names = dir(lib)
+with ffi._lock:  # what cffi holds while it binds a name, when a collection can run a finalizer
+    for name in names:
+        getattr(lib, name)  # what that finalizer does: free through a name, maybe a new one
+print(len(names))
+"""
+
+
+def test_every_ggml_name_is_bound_at_load_so_a_finalizer_never_waits_for_cffi() -> None:
+    # A fresh process: this one's names were bound long ago by the tests before. Unbound, the
+    # first name reached blocks on the lock its own thread holds (seen: a stage's compute thread
+    # hung in a graph's close, with a KV cache's finalizer run by a collection below it).
+    done = subprocess.run(
+        [sys.executable, "-c", LOCK_HELD], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 40  # every function the backend calls, and its enum values

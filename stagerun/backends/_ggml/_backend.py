@@ -59,9 +59,9 @@ F32 = npt.NDArray[np.float32]
 SEGMENT_ROW_LAYERS = 2048
 """Rows times layers per graph: a forward bigger than this is cut between layers (polled)."""
 REUSE_ROWS = 64
+"""A graph of at most this many rows (decode steps, verify windows) is kept for the next."""
 WAKE_IDLE_S = 0.02
 """Seconds without a graph after which a small graph runs on one thread (see above)."""
-"""A graph of at most this many rows (decode steps, verify windows) is kept for the next."""
 REUSE_ROOM = 128
 """Positions of room a kept graph's attention is built with: steps it can serve again."""
 KEPT_GRAPHS = 4

@@ -246,6 +246,7 @@ def load() -> tuple[Any, Any]:
         lib = ffi.dlopen(str(path), ffi.RTLD_NOW | ffi.RTLD_LOCAL | ffi.RTLD_DEEPBIND)
     except OSError as exc:
         raise GgmlUnavailableError(f"the ggml libraries in {where} do not load: {exc}") from None
+    _bind_every_name(lib, where)
     version = ffi.string(lib.ggml_version()).decode()
     if version != GGML_VERSION:
         raise GgmlUnavailableError(
@@ -261,6 +262,23 @@ def load() -> tuple[Any, Any]:
     if not (lib.ggml_cpu_has_avx2() and lib.ggml_cpu_has_fma() and lib.ggml_cpu_has_f16c()):
         raise GgmlUnavailableError("the ggml CPU library was built without AVX2, FMA or F16C")
     return ffi, lib
+
+
+def _bind_every_name(lib: Any, where: pathlib.Path) -> None:
+    """Look up every name of the cdef in the library now, once.
+
+    cffi binds a dlopen()ed library's names lazily, under a lock of the FFI's own that is not
+    reentrant, and binding one creates weak references, which can start a garbage collection,
+    which can run a finalizer that frees ggml memory through another name not bound yet: that
+    thread then waits for the lock it holds, forever. A stage's compute thread hung so, in the
+    middle of a graph's `close`, with a KV cache's finalizer (`_kv._free_buffers`) below it.
+    Bound here, a name is a plain attribute afterwards and takes no lock.
+    """
+    for name in dir(lib):
+        try:
+            getattr(lib, name)
+        except AttributeError as exc:  # declared, but not in the library
+            raise GgmlUnavailableError(f"the ggml library in {where} lacks {name}: {exc}") from None
 
 
 # The sonames of the wheel's libraries, and the ones stagerun's private copies carry (the same
