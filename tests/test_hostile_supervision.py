@@ -35,7 +35,8 @@ from hypercorn.trio import serve
 
 from stagerun import StageServer, SupervisionPolicy, open_pipeline
 from stagerun import _proto as proto
-from stagerun._driver._supervise import EXIT_WITH_PARENT_ENV, StageProcess
+from stagerun._driver import _supervise
+from stagerun._driver._supervise import EXIT_WITH_PARENT_ENV, StageProcess, spawn_process
 from stagerun._errors import StageGivenUpError
 from stagerun._wire._auth import SECRET_FILE_ENV
 from stagerun.backends import NumpyBackend
@@ -417,3 +418,30 @@ def test_no_server_outlives_a_sigkilled_bench(tiny: Path, tmp_path: Path) -> Non
         (serve,) = served
         took = _assert_gone_after_sigkill(proc, [serve, *_children(serve)])
     print(f"the bench's server and its stages gone {took * 1000:.0f} ms after SIGKILL of bench")
+
+
+DEAF_TO_SIGTERM = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("deaf", flush=True)
+time.sleep(600)
+"""
+
+
+async def test_a_child_deaf_to_sigterm_is_killed_when_its_supervision_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As a stage whose compute thread hung: its event loop ends on SIGTERM, its process does
+    # not. Warnings are errors here (pyproject.toml), as they were when trio's own stop raised
+    # its "Trying SIGKILL" warning instead of killing, and the stop waited, shielded, forever.
+    monkeypatch.setattr(_supervise, "STOP_GRACE_S", 0.5)
+    started = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        proc: trio.Process = await nursery.start(
+            spawn_process, [sys.executable, "-c", DEAF_TO_SIGTERM]
+        )
+        assert proc.stdout is not None
+        assert await proc.stdout.receive_some() == b"deaf\n"
+        nursery.cancel_scope.cancel()
+    assert proc.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 30

@@ -106,6 +106,28 @@ class Child(Protocol):
     async def wait(self) -> int: ...
 
 
+STOP_GRACE_S = 5.0
+"""Seconds a stage has to exit after SIGTERM before it is killed (`stop_child`)."""
+
+
+async def stop_child(proc: trio.Process) -> None:
+    """How a cancelled `spawn_process` stops its child: SIGTERM, then SIGKILL after
+    `STOP_GRACE_S` (the caller waits for the exit, and cancels this once it comes).
+
+    trio's own way does the same, but announces the SIGKILL with a `RuntimeWarning`; where
+    warnings are errors (this project's tests) the warning is raised instead of the kill made,
+    and the stop then waits, shielded, for a child that never exits. A stage whose compute
+    thread hung did exactly that: its event loop ended, its thread did not, and CI waited.
+    """
+    try:
+        proc.terminate()
+        await trio.sleep(STOP_GRACE_S)
+        log.warning("pid %d ignored SIGTERM for %gs; killing it", proc.pid, STOP_GRACE_S)
+        proc.kill()
+    except ProcessLookupError:  # it exited in between
+        pass
+
+
 #: Runs ``command`` until it exits, reporting the started `Child` through ``task_status``
 #: (the shape of `trio.run_process`); cancelling it kills the child.
 Spawn = Callable[..., Awaitable[object]]
@@ -140,6 +162,7 @@ async def spawn_process(
                         stdout=subprocess.PIPE,
                         check=False,
                         env=child_env,
+                        deliver_cancel=stop_child,
                         # Its own session: a terminal's Ctrl-C reaches only the driver, which
                         # then stops the stages in order.
                         start_new_session=True,
