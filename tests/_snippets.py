@@ -149,12 +149,14 @@ def stagerun_argv(head: str) -> list[str] | None:
 
 def quick_bench(argv: list[str]) -> list[str]:
     """A `stagerun bench` command with one round of 16 tokens (and a kill after 8 of them;
-    a chat of two turns; one request per client; the first two points of a swept list such
-    as ``--hop-delays 0,5,10,20``), where it takes those options: every option as written is
+    a chat of two turns; one request per client; `QUICK_BY_BENCH`; of a swept list, the
+    first two stage counts (``--stages 1,2,3``: no test sweeps those) or the first point of
+    the others (``--clients 1,8,16``, ``--hop-delays 0,5,10,20``: tests/test_bench_serve.py
+    and test_report.py sweep them), where it takes those options: every option as written is
     still used, on a run that takes seconds instead of minutes."""
     taken = vars(build_parser().parse_args(argv))
     argv = list(argv)
-    quick = (
+    quick: tuple[tuple[str, str], ...] = (
         ("--rounds", "1"),
         ("--tokens", "16"),
         ("--kill-at", "8"),
@@ -163,6 +165,7 @@ def quick_bench(argv: list[str]) -> list[str]:
         ("--stagger-ms", "100"),
         ("--requests-per-client", "1"),  # bench serve: each client's curve point once
     )
+    quick += QUICK_BY_BENCH.get(argv[1], ())
     for option, value in quick:
         if option.removeprefix("--").replace("-", "_") not in taken:
             continue
@@ -170,14 +173,20 @@ def quick_bench(argv: list[str]) -> list[str]:
             argv[argv.index(option) + 1] = value
         else:
             argv += [option, value]
-    for option in SWEPT:
+    for option, keep in SWEPT.items():
         if option in argv and "," in argv[argv.index(option) + 1]:
             at = argv.index(option) + 1
-            argv[at] = ",".join(argv[at].split(",")[:2])
+            argv[at] = ",".join(argv[at].split(",")[:keep])
     return argv
 
 
-SWEPT = ("--hop-delays", "--clients", "--stages")  # lists a bench runs one config per item
+# options of one bench only (another bench's option of the same name means something else)
+QUICK_BY_BENCH: dict[str, tuple[tuple[str, str], ...]] = {
+    "load": (("--requests", "32"),),  # 200 by default
+    "prefill": (("--prompt-tokens", "400"),),  # 1500 by default: still several chunks of 128
+}
+# lists a bench runs one config per item -> how many of their items a quick run keeps
+SWEPT = {"--hop-delays": 1, "--clients": 1, "--stages": 2}
 
 
 def free_port() -> int:
