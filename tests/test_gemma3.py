@@ -27,6 +27,7 @@ import openai
 import pytest
 from _live_server import LiveServer
 from _oracle import assert_varied
+from _weights_only import weights_only_copy
 
 from stagerun import open_pipeline
 from stagerun.backends import GgmlBackend, NumpyBackend
@@ -90,12 +91,15 @@ def assert_agrees(
 
 
 @pytest.fixture(scope="module")
-def transformers_greedy(gemma: ModelFile) -> Iterator[dict[str, list[int]]]:
+def transformers_greedy(
+    gemma: ModelFile, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, list[int]]]:
     """transformers' greedy tokens for each prompt, on its own Gemma 3 code."""
     import torch
     import transformers
 
-    folder, name = str(gemma.path.parent), gemma.path.name
+    copy = weights_only_copy(gemma.path, tmp_path_factory.mktemp("gemma3-weights"))
+    folder, name = str(copy.parent), copy.name
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_pretrained(

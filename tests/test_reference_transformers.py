@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from _weights_only import weights_only_copy
 
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
@@ -65,11 +66,12 @@ def hf_greedy(model: Any, ids: list[int]) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2: ModelFile) -> Reference:
+def reference(smollm2: ModelFile, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     directory, name = str(smollm2.path.parent), smollm2.path.name
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    weights = weights_only_copy(smollm2.path, tmp_path_factory.mktemp("smollm2-weights"))
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=torch.float32
+        str(weights.parent), gguf_file=weights.name, dtype=torch.float32
     )
     model.eval()  # type: ignore[no-untyped-call]
     token_ids = {text: list(tokenizer(text)["input_ids"]) for text in TOKENIZER_TEXTS}
