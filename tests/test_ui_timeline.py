@@ -246,7 +246,8 @@ async def test_the_view_shows_a_speculative_request_on_every_stage(tiny: Path) -
         assert "verified" in outcomes and ("stale" in outcomes or "cancelled" in outcomes)
         assert all(len(spans) >= 4 for spans in doc["stages"]), doc["stages"]
         for spans in doc["stages"]:
-            assert all(doc["since_ms"] <= s[0] <= s[1] <= 0 and s[4] >= 0 for s in spans)
+            # a span that ends inside the horizon is kept whole (a slow run outlasts it)
+            assert all(s[0] <= s[1] and doc["since_ms"] <= s[1] <= 0 and s[4] >= 0 for s in spans)
         _check_causality(doc, HOP_MS)
         assert all(s["recent_batch"] is None or s["recent_batch"] >= 1 for s in ended["stages"])
 
