@@ -187,6 +187,9 @@ QUICK_BY_BENCH: dict[str, tuple[tuple[str, str], ...]] = {
 }
 # lists a bench runs one config per item -> how many of their items a quick run keeps
 SWEPT = {"--hop-delays": 1, "--clients": 1, "--stages": 2}
+# the longest emulated link delay a docs block runs with (20 ms in the docs: hops the test
+# suite measures at full delay in test_pipeline.py and test_ui_timeline.py)
+QUICK_HOP_DELAY_MS = 2.0
 
 
 def free_port() -> int:
@@ -207,6 +210,8 @@ class Session:
       ``$U``) is the shared served model when the block starts no server of its own.
     * ``/tmp/`` and ``/var/log/`` paths become paths in the block's folder.
     * A benchmark runs one round of 16 tokens (`quick_bench`).
+    * An emulated link's delay (``--hop-delay-ms``) is at most `QUICK_HOP_DELAY_MS`: the
+      link is still emulated (every frame goes through the delaying path), the run waits less.
     * The model: ``--model`` (or its absence) on a stagerun command, and ``model = "smollm2"``
       in a heredoc, become the tiny test model (its Q4_0 twin for torch-int4), unless the block
       is `real_model`.
@@ -261,6 +266,9 @@ class Session:
         argv = words[1:]
         if argv[:1] == ["bench"]:
             argv = quick_bench(argv)
+        if "--hop-delay-ms" in argv:
+            at = argv.index("--hop-delay-ms") + 1
+            argv[at] = str(min(float(argv[at]), QUICK_HOP_DELAY_MS)).removesuffix(".0")
         if argv[:1] == ["serve"] and "--port" not in argv:  # its default port is 8000
             argv += ["--port", self.ports.setdefault("8000", str(free_port()))]
         if not self.real_model and argv and argv[0] in TAKES_MODEL:

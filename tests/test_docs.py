@@ -120,7 +120,30 @@ def not_run(command: Command) -> str | None:
     if placeholder(command):
         return "`...` stands for other options"
     keys = _matches(NOT_RUN, command)
-    return NOT_RUN[keys[0]] if keys else None
+    if keys:
+        return NOT_RUN[keys[0]]
+    first = _FIRST_BENCH.get(" ".join(command.head.split()))
+    if first is not None and first != command.id:
+        return f"the same benchmark as {first}, which runs"
+    return None
+
+
+def _first_benches() -> dict[str, str]:
+    """Each `stagerun bench` command line the docs show -> where it first appears (and runs).
+
+    A benchmark starts whatever it measures itself, so a second block that shows the same
+    command (observability.md quotes benchmarks.md's prefill run) adds nothing by running it.
+    """
+    first: dict[str, str] = {}
+    for command in COMMANDS:
+        argv = stagerun_argv(command.head)
+        runs = not placeholder(command) and not _matches(NOT_RUN, command)
+        if argv and argv[0] == "bench" and runs:
+            first.setdefault(" ".join(command.head.split()), command.id)
+    return first
+
+
+_FIRST_BENCH = _first_benches()
 
 
 def test_the_snippets_are_found_and_every_exclusion_still_points_at_one() -> None:
