@@ -187,8 +187,8 @@ QUICK_BY_BENCH: dict[str, tuple[tuple[str, str], ...]] = {
 }
 # lists a bench runs one config per item -> how many of their items a quick run keeps
 SWEPT = {"--hop-delays": 1, "--clients": 1, "--stages": 2}
-# the longest emulated link delay a docs block runs with (20 ms in the docs: hops the test
-# suite measures at full delay in test_pipeline.py and test_ui_timeline.py)
+# the longest emulated link delay a docs block runs with (the docs show 10-20 ms; a hop's
+# delay is measured at full size by test_pipeline.py, and test_ui_timeline.py runs 10 ms links)
 QUICK_HOP_DELAY_MS = 2.0
 
 

@@ -9,10 +9,11 @@
   reader would type it (`_snippets.Session`): servers and stages it starts stay up in the
   background until the block ends, `curl` talks to them, a topology file written by a heredoc
   joins them. The substitutions: free ports for the block's ports, the block's folder for
-  ``/tmp/`` and ``/var/log/``, one round of 16 tokens for a benchmark, and the tiny test model
-  for the default one (a block that needs the real model is in `REAL_MODEL`). A command that
-  cannot run here is in `NOT_RUN`, with the reason; a command whose arguments include ``...``
-  is a placeholder and is not run either.
+  ``/tmp/`` and ``/var/log/``, one round of 16 tokens for a benchmark, emulated links of 2 ms
+  at most, and the tiny test model for the default one (a block that needs the real model is
+  in `REAL_MODEL`). A command that cannot run here is in `NOT_RUN`, with the reason; a command
+  whose arguments include ``...`` is a placeholder and is not run either, nor is a benchmark
+  that an earlier block shows and runs word for word.
 * Every ``stagerun`` command, run or not (placeholders aside), is also parsed by the real
   command-line parser, so an option the docs name and the parser refuses fails at once.
 
