@@ -105,6 +105,7 @@ def transformers_greedy(
         model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32
         )
+    copy.unlink()  # loaded: the 250 MB copy is not kept for the session
     model.eval()
     out = {}
     with torch.no_grad():

@@ -73,6 +73,7 @@ def reference(smollm2: ModelFile, tmp_path_factory: pytest.TempPathFactory) -> R
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(weights.parent), gguf_file=weights.name, dtype=torch.float32
     )
+    weights.unlink()  # loaded: the copy is not kept for the session
     model.eval()  # type: ignore[no-untyped-call]
     token_ids = {text: list(tokenizer(text)["input_ids"]) for text in TOKENIZER_TEXTS}
     chat_text = str(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False))
