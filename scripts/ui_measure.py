@@ -3,8 +3,9 @@
 Starts ``stagerun serve --stages 3`` (the default model unless ``--model``), then:
 
 - **cost**: a streaming API client decodes ``--tokens`` tokens, alternately with the page
-  open in headless Chromium (polling ``/ui/state`` every second) and with no page, ``--rounds``
-  times each; reports each side's median tokens/s and their ratio;
+  open in headless Chromium (polling ``/ui/state`` as it does) and with no page, ``--rounds``
+  times each, the side that goes first alternating too; reports each side's median tokens/s
+  and their ratio;
 - **cancel**: in the page, sends a long chat, waits for tokens, clicks Stop, and times the
   click to the server's ``stagerun_client_disconnects_total`` moving (``/metrics`` polled
   every 5 ms), ``--cancels`` times; reports the median and the spread.
@@ -58,8 +59,12 @@ def disconnects(url: str) -> float:
 
 async def cancel_once(page: Page, url: str) -> float:
     before = await trio.to_thread.run_sync(disconnects, url)
+    # a fresh one-turn chat, greedy: the answer runs long every time (sampled, after a few
+    # stopped turns, the model sometimes ended its answer before Stop could be clicked)
+    await page.js("document.getElementById('clear').click()")
     count = await page.js("document.querySelectorAll('.message.assistant').length")
     await page.js(
+        "document.getElementById('temperature').value = 0;"
         "document.getElementById('max-tokens').value = 2000;"
         f"document.getElementById('prompt').value = {json.dumps(STORY)};"
         "document.getElementById('send').click()"
@@ -87,12 +92,17 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, object]:
         await page.until("document.querySelectorAll('.stage').length === 3")
         for _ in range(args.cancels):
             cancels.append(await cancel_once(page, url))
-        for _ in range(args.rounds):
-            open_rates.append(await trio.to_thread.run_sync(decode_rate, url, args.tokens))
-            await page.call("Page.navigate", url="about:blank")
-            closed_rates.append(await trio.to_thread.run_sync(decode_rate, url, args.tokens))
-            await page.call("Page.navigate", url=url + "/")
-            await page.until("document.querySelectorAll('.stage').length === 3")
+        for round_ in range(args.rounds):
+            # open first in even rounds, closed first in odd ones (ABBA): whatever the first
+            # decode after a change costs falls on both sides alike
+            for page_open in (True, False) if round_ % 2 == 0 else (False, True):
+                if page_open:
+                    await page.call("Page.navigate", url=url + "/")
+                    await page.until("document.querySelectorAll('.stage').length === 3")
+                else:
+                    await page.call("Page.navigate", url="about:blank")
+                rate = await trio.to_thread.run_sync(decode_rate, url, args.tokens)
+                (open_rates if page_open else closed_rates).append(rate)
         errors = page.errors()
     return {
         "tokens": args.tokens,
