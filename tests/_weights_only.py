@@ -29,6 +29,21 @@ VOCABULARY = {
 }
 
 
+def transformers_model(source: pathlib.Path, folder: pathlib.Path) -> Any:
+    """transformers' float32 model of ``source``, loaded from its weights-only copy in
+    ``folder`` (deleted once loaded: the model holds its own tensors)."""
+    import torch
+    import transformers
+
+    copy = weights_only_copy(source, folder)
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(copy.parent), gguf_file=copy.name, dtype=torch.float32
+        )
+    finally:
+        copy.unlink()
+
+
 def weights_only_copy(source: pathlib.Path, folder: pathlib.Path) -> pathlib.Path:
     """Write ``folder/<source name>``: ``source`` without its vocabulary arrays (see above)."""
     reader = GgufReader(source)

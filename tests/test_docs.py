@@ -123,7 +123,7 @@ def not_run(command: Command) -> str | None:
     keys = _matches(NOT_RUN, command)
     if keys:
         return NOT_RUN[keys[0]]
-    first = _FIRST_BENCH.get(" ".join(command.head.split()))
+    first = _FIRST_BENCH.get(_spelled(command))
     if first is not None and first != command.id:
         return f"the same benchmark as {first}, which runs"
     return None
@@ -140,8 +140,13 @@ def _first_benches() -> dict[str, str]:
         argv = stagerun_argv(command.head)
         runs = not placeholder(command) and not _matches(NOT_RUN, command)
         if argv and argv[0] == "bench" and runs:
-            first.setdefault(" ".join(command.head.split()), command.id)
+            first.setdefault(_spelled(command), command.id)
     return first
+
+
+def _spelled(command: Command) -> str:
+    """The command line with its spacing made one (a line continuation leaves two spaces)."""
+    return " ".join(command.head.split())
 
 
 _FIRST_BENCH = _first_benches()

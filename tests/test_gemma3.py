@@ -27,7 +27,7 @@ import openai
 import pytest
 from _live_server import LiveServer
 from _oracle import assert_varied
-from _weights_only import weights_only_copy
+from _weights_only import transformers_model
 
 from stagerun import open_pipeline
 from stagerun.backends import GgmlBackend, NumpyBackend
@@ -96,16 +96,10 @@ def transformers_greedy(
 ) -> Iterator[dict[str, list[int]]]:
     """transformers' greedy tokens for each prompt, on its own Gemma 3 code."""
     import torch
-    import transformers
 
-    copy = weights_only_copy(gemma.path, tmp_path_factory.mktemp("gemma3-weights"))
-    folder, name = str(copy.parent), copy.name
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32
-        )
-    copy.unlink()  # loaded: the 250 MB copy is not kept for the session
+        model = transformers_model(gemma.path, tmp_path_factory.mktemp("gemma3-weights"))
     model.eval()
     out = {}
     with torch.no_grad():

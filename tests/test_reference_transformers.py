@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from _weights_only import weights_only_copy
+from _weights_only import transformers_model
 
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile
@@ -69,11 +69,7 @@ def hf_greedy(model: Any, ids: list[int]) -> list[int]:
 def reference(smollm2: ModelFile, tmp_path_factory: pytest.TempPathFactory) -> Reference:
     directory, name = str(smollm2.path.parent), smollm2.path.name
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    weights = weights_only_copy(smollm2.path, tmp_path_factory.mktemp("smollm2-weights"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(weights.parent), gguf_file=weights.name, dtype=torch.float32
-    )
-    weights.unlink()  # loaded: the copy is not kept for the session
+    model = transformers_model(smollm2.path, tmp_path_factory.mktemp("smollm2-weights"))
     model.eval()  # type: ignore[no-untyped-call]
     token_ids = {text: list(tokenizer(text)["input_ids"]) for text in TOKENIZER_TEXTS}
     chat_text = str(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False))
