@@ -38,6 +38,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from .._errors import UnsupportedModelError
+from .._util import release_free_memory
 from ._gguf_file import StringArray
 
 __all__ = ["StreamDecoder", "Tokenizer", "bytes_to_unicode", "eog_ids_from_vocab"]
@@ -350,9 +351,15 @@ class Tokenizer:
 
     @functools.cached_property
     def _plain_backend(self) -> tokenizers.Tokenizer:
-        """A copy that spells control-token strings out as ordinary text."""
+        """A copy that spells control-token strings out as ordinary text.
+
+        Made through the tokenizer's JSON, whose parsing leaves the C heap holding several
+        times the copy's size (Gemma 3's 262,144 tokens: 352 MB more resident, 94 MB once
+        trimmed), so the free pages are handed back at once.
+        """
         plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
         plain.encode_special_tokens = True
+        release_free_memory()
         return plain
 
     def encode(self, text: str, *, special: bool = True, add_bos: bool | None = None) -> list[int]:
