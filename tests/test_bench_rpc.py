@@ -49,6 +49,7 @@ def test_a_missing_rpc_build_is_refused_before_anything_starts(
         stages=3,
         tokens=8,
         requests_per_client=1,
+        rounds=1,
         max_batch=None,
         compare_llama_server=False,
         compare_rpc=True,

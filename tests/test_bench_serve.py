@@ -6,13 +6,17 @@ The end-to-end tests run the tiny random model (seconds); the real default model
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import struct
+from typing import Any
 
 import pytest
+import trio
 
+from stagerun._cli._bench import _serve_run
 from stagerun._cli._bench._serve import (
     PROMPTS,
     StreamReader,
@@ -29,7 +33,7 @@ LLAMA_SERVER = pathlib.Path(__file__).parent.parent / ".cache/llama.cpp/bin/llam
 LEVEL_KEYS = {
     "clients", "requests", "completion_tokens", "seconds", "tokens_per_second", "ttft_p50_ms",
     "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "latency_p50_ms", "latency_p99_ms",
-    "mismatches", "rejected", "busy", "scaling",
+    "mismatches", "rejected", "busy", "scaling", "rounds_tokens_per_second",
 }  # fmt: skip
 
 
@@ -69,12 +73,82 @@ def test_bench_serve_runs_the_same_load_against_llama_server(
 ) -> None:
     png = tmp_path / "serve.png"
     argv = _bench(tiny_model_path, "--compare-llama-server", "--llama-server", str(LLAMA_SERVER),
-                  "--stages", "2", "--png", str(png))  # fmt: skip
+                  "--stages", "2", "--png", str(png), "--rounds", "2")  # fmt: skip
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     _check_curve(report["stagerun"], stages=2)
     _check_curve(report["llama_server"], stages=1)  # one process
+    assert report["rounds"] == 2
+    for curve in (report["stagerun"], report["llama_server"]):
+        for row in curve["levels"]:
+            rounds = row["rounds_tokens_per_second"]
+            assert len(rounds) == 2 and row["tokens_per_second"] == min(rounds)  # lower middle
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_systems_take_turns_round_by_round_each_level_s_servers_up_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three rounds: stagerun then llama-server, then the other way round, then as first;
+    every level's llama-server is started before its first round and stopped after its last,
+    and the stagerun server is up throughout."""
+    events: list[str] = []
+
+    class Target:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __str__(self) -> str:
+            return self.name
+
+        async def complete(self, prompt: int) -> None:
+            events.append(f"warm {self.name}")
+
+    @contextlib.asynccontextmanager
+    async def server(name: str) -> Any:
+        events.append(f"start {name}")
+        yield Target(name)
+        events.append(f"stop {name}")
+
+    async def stagerun(stack: contextlib.AsyncExitStack, *args: Any) -> tuple[Any, list[str]]:
+        return await stack.enter_async_context(server("stagerun")), ["solo"]
+
+    async def llama(stack: contextlib.AsyncExitStack, args: Any, prompts: Any, clients: int,
+                    *, rpc: bool) -> Any:  # fmt: skip
+        return await stack.enter_async_context(server(f"llama-{clients}"))
+
+    async def solo(target: Any) -> list[str]:
+        return ["solo"]
+
+    tps = iter([5.0, 1.0, 3.0, 2.0, 4.0, 6.0] * 2)
+
+    async def level(args: Any, target: Any, clients: int, solo: Any) -> dict[str, Any]:
+        events.append(f"measure {target}")
+        return {"clients": clients, "tokens_per_second": next(tps), "mismatches": 1,
+                "rejected": 0}  # fmt: skip
+
+    for name, fake in (("_stagerun", stagerun), ("_llama", llama), ("_solo", solo),
+                       ("_measure_level", level)):  # fmt: skip
+        monkeypatch.setattr(_serve_run, name, fake)
+    args = build_parser().parse_args(
+        ["bench", "serve", "--clients", "1,4", "--rounds", "3", "--compare-llama-server"]
+    )
+    curves = trio.run(_serve_run.measure_systems, args, ("p",))
+    assert events == [
+        "start stagerun",
+        "start llama-1", "measure stagerun", "measure llama-1", "measure llama-1",
+        "measure stagerun", "measure stagerun", "measure llama-1", "stop llama-1",
+        "start llama-4", "warm llama-4", "measure stagerun", "measure llama-4", "measure llama-4",
+        "measure stagerun", "measure stagerun", "measure llama-4", "stop llama-4",
+        "stop stagerun",
+    ]  # fmt: skip
+    ours, theirs = curves["stagerun"], curves["llama_server"]
+    assert curves["llama_rpc"] is None and ours is not None and theirs is not None
+    # stagerun measured 5, 2, 4 (median 4), llama-server 1, 3, 6 (median 3); mismatches add up
+    assert [r["rounds_tokens_per_second"] for r in ours["levels"]] == [[5.0, 2.0, 4.0]] * 2
+    assert [r["tokens_per_second"] for r in ours["levels"]] == [4.0, 4.0]
+    assert [r["tokens_per_second"] for r in theirs["levels"]] == [3.0, 3.0]
+    assert ours["levels"][0]["mismatches"] == 3
 
 
 def test_serve_command_passes_the_options_through() -> None:

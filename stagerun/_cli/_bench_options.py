@@ -268,6 +268,11 @@ def _add_serve(bench_sub: _SubParsers) -> None:
     )  # fmt: skip
     serve.add_argument("--llama-threads", type=int, default=2, help="llama-server's -t (default 2)")
     serve.add_argument(
+        "--rounds", type=int, default=1, metavar="R",
+        help="measure every level R times, the systems compared taking turns round by round "
+        "(each level's servers up together), and report the median round (default 1)",
+    )  # fmt: skip
+    serve.add_argument(
         "--compare-rpc", action="store_true",
         help="run the same load against llama.cpp's RPC split: llama-server over --stages "
         "ggml-rpc-server processes, each behind a proxy delaying --hop-delay-ms (built by "

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from ._chat import bench_chat
 from ._decode import bench_backends, bench_decode, bench_transport
 from ._prefill import bench_prefill
-from ._serve import bench_serve
+from ._serve_run import bench_serve
 from ._service import bench_load, bench_recovery, process_tree_rss_mb
 from ._speculative import SPECULATIVE_PROMPTS, bench_speculative, bench_timeline
 

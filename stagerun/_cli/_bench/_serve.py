@@ -12,14 +12,15 @@ time (``/proc/PID/stat``; above 1 with several compute threads). Stage 0 is the 
 process itself, stage i its child started with ``--index i``.
 
 With ``--compare-llama-server`` the same prompts and levels run against ``llama-server -np N``
-on the same GGUF, a fresh server per level. Its outputs are compared only with its own solo
-outputs (other kernels, other floating point); that count is reported, it never fails the run.
+on the same GGUF, a fresh server per level, while the stagerun server waits. Its outputs are
+compared only with its own solo outputs (other kernels, other floating point); that count is
+reported, it never fails the run. With ``--rounds R`` each level is measured R times, the
+systems taking turns; `_serve_run` starts the servers and runs the levels.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import math
@@ -35,18 +36,14 @@ import trio
 from ..._errors import StagerunError
 from ..._util import cpu_seconds
 from ._common import http_exchange, say
-from ._rpc import rpc_binaries, rpc_split
+from ._rpc import rpc_binaries
 from ._servers import (
-    free_port,
-    launched,
-    llama_command,
     llama_server_path,
     serve_accepts,
-    serve_command,
     stage_pids,
 )
 
-__all__ = ["PROMPTS", "StreamReader", "bench_serve", "percentile", "scaling_ratios"]
+__all__ = ["PROMPTS", "StreamReader", "percentile", "plot_scaling", "scaling_ratios"]
 
 #: Open continuations, one per client index, so that clients' outputs differ.
 CURVES = (("stagerun", "stagerun"), ("llama-server", "llama_server"),
@@ -280,21 +277,6 @@ async def _solo(target: _Target) -> list[str]:
     return [(await target.complete(index)).text for index in range(len(target.prompts))]
 
 
-async def _measure_stagerun(args: argparse.Namespace, prompts: tuple[str, ...]) -> dict[str, Any]:
-    from ...server._serve import served_model_id
-
-    port = free_port()
-    cmd = serve_command(args, port)
-    say(args, "starting " + " ".join(cmd[2:]))
-    async with launched(cmd, port, "stagerun serve") as proc:
-        target = _Target("stagerun", port, proc.pid, served_model_id(args.model), prompts,
-                         args.tokens, chat=args.prompts == "copy")  # fmt: skip
-        solo = await _solo(target)
-        say(args, f"stagerun: {len(prompts)} prompts completed alone")
-        levels = [await _measure_level(args, target, n, solo) for n in args.clients]
-    return _curve(levels)
-
-
 def _curve(levels: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = scaling_ratios({row["clients"]: row["tokens_per_second"] for row in levels})
     for row in levels:
@@ -302,39 +284,9 @@ def _curve(levels: list[dict[str, Any]]) -> dict[str, Any]:
     return {"levels": levels, "scaling": {str(n): r for n, r in ratios.items()}}
 
 
-async def _measure_llama(
-    args: argparse.Namespace, prompts: tuple[str, ...], *, rpc: bool = False
-) -> dict[str, Any]:
-    """llama-server ``-np N`` for each client count; with ``rpc``, its RPC build over
-    ``--stages`` RPC servers behind the emulated links (`_rpc`)."""
-    from ...model import resolve_model
-
-    gguf = resolve_model(args.model)
-    solo: list[str] | None = None
-    levels = []
-    name = "llama.cpp RPC" if rpc else "llama-server"
-    for clients in args.clients:
-        port = free_port()
-        async with contextlib.AsyncExitStack() as stack:
-            cmd = llama_command(args, gguf, clients, port)
-            if rpc:
-                cmd[0] = str(rpc_binaries()[0])
-                cmd += await stack.enter_async_context(rpc_split(args))
-            say(args, "starting " + " ".join(cmd))
-            proc = await stack.enter_async_context(launched(cmd, port, name))
-            target = _Target(name, port, proc.pid, gguf.stem, prompts, args.tokens,
-                             chat=args.prompts == "copy")  # fmt: skip
-            if solo is None:
-                solo = await _solo(target)
-            else:
-                await target.complete(0)  # warm-up
-            levels.append(await _measure_level(args, target, clients, solo))
-    return _curve(levels)
-
-
 def _check(args: argparse.Namespace) -> None:
     """Refuse options that cannot work, before minutes of start-up."""
-    for name in ("stages", "tokens", "requests_per_client"):
+    for name in ("stages", "tokens", "requests_per_client", "rounds"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_batch is not None and not serve_accepts("--max-batch"):
@@ -361,35 +313,6 @@ def _prompts(kind: str, clients: int) -> tuple[str, ...]:
     return PROMPTS[: min(clients, len(PROMPTS))]
 
 
-async def bench_serve(args: argparse.Namespace) -> int:
-    """Tokens/s and latencies per client count, outputs checked; 1 if any output differed."""
-    _check(args)
-    prompts = _prompts(args.prompts, max(args.clients))
-    report: dict[str, Any] = {
-        "benchmark": "serve", "model": args.model, "stages": args.stages,
-        "clients": args.clients, "tokens": args.tokens,
-        "requests_per_client": args.requests_per_client, "hop_delay_ms": args.hop_delay_ms,
-        "speculative": args.speculative, "max_batch": args.max_batch, "prompts": len(prompts),
-        "prompt_kind": args.prompts,
-    }  # fmt: skip
-    report["stagerun"] = await _measure_stagerun(args, prompts)
-    report["llama_server"] = None
-    if args.compare_llama_server:
-        report["llama_server"] = await _measure_llama(args, prompts)
-    report["llama_rpc"] = (
-        await _measure_llama(args, prompts, rpc=True) if args.compare_rpc else None
-    )
-    report["mismatches"] = sum(row["mismatches"] for row in report["stagerun"]["levels"])
-    if args.png:
-        plot_scaling(report, args.png)
-        say(args, f"wrote {args.png}")
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_report(report)
-    return 0 if report["mismatches"] == 0 else 1
-
-
 def _pair(low: float | None, high: float | None) -> str:
     return "-" if low is None or high is None else f"{low:.0f}/{high:.0f}"
 
@@ -413,6 +336,15 @@ def _print_side_by_side(curves: Mapping[str, Mapping[str, Any]]) -> None:
     for rows in zip(*(curve["levels"] for curve in curves.values()), strict=True):
         cells = "".join(f"  {r['tokens_per_second']:13.1f} ({r['scaling']:5.2f}x)" for r in rows)
         print(f"  {rows[0]['clients']:7d}{cells}")
+    ours, *others = curves.items()
+    for name, curve in others:  # with --rounds: the ratio in each round, the systems in turn
+        for mine, theirs in zip(ours[1]["levels"], curve["levels"], strict=True):
+            pairs = zip(mine.get("rounds_tokens_per_second", ()),
+                        theirs.get("rounds_tokens_per_second", ()), strict=True)  # fmt: skip
+            ratios = [f"{a / b:.2f}" if b else "-" for a, b in pairs]
+            if len(ratios) > 1:
+                print(f"  {mine['clients']} clients, {ours[0]} / {name} by round: "
+                      + " ".join(ratios))  # fmt: skip
 
 
 def _print_report(report: Mapping[str, Any]) -> None:
