@@ -1,7 +1,8 @@
 """``stagerun bench serve``'s run: the servers, the levels in rounds, the report.
 
-The clients, the level's figures and the report's printing are `_serve`'s. Theory of
-operation. On the 2-core VMs this project is measured on, a system's tokens/s
+The clients, a level's figures and the report's printing are `_serve`'s.
+
+Theory of operation. On the 2-core VMs this project is measured on, a system's tokens/s
 drifts by more than 10% between runs a few minutes apart, so a ratio of two systems measured
 one after the other carries that drift. Here every server a level needs is up at once: the
 stagerun server for the whole run, llama-server (and llama.cpp's RPC split) one per level,
