@@ -88,6 +88,19 @@ async def _llama(
                    chat=args.prompts == "copy")  # fmt: skip
 
 
+async def _rounds(
+    args: argparse.Namespace, targets: dict[str, _Target], solos: dict[str, list[str]],
+    clients: int,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """One level, ``args.rounds`` times, the systems taking turns (the order reversed every
+    other round): each system's `median_round`."""
+    rounds: dict[str, list[dict[str, Any]]] = {key: [] for key in targets}
+    for r in range(args.rounds):
+        for key in list(targets) if r % 2 == 0 else list(targets)[::-1]:
+            rounds[key].append(await _measure_level(args, targets[key], clients, solos[key]))
+    return {key: median_round(rows) for key, rows in rounds.items()}
+
+
 async def measure_systems(
     args: argparse.Namespace, prompts: tuple[str, ...]
 ) -> dict[str, dict[str, Any] | None]:
@@ -109,14 +122,8 @@ async def measure_systems(
                     else:
                         solos[key] = await _solo(target)
                     targets[key] = target
-                rounds: dict[str, list[dict[str, Any]]] = {key: [] for key in levels}
-                for r in range(args.rounds):
-                    order = list(levels) if r % 2 == 0 else list(levels)[::-1]
-                    for key in order:
-                        row = await _measure_level(args, targets[key], clients, solos[key])
-                        rounds[key].append(row)
-                for key, rows in rounds.items():
-                    levels[key].append(median_round(rows))
+                for key, row in (await _rounds(args, targets, solos, clients)).items():
+                    levels[key].append(row)
     curves: dict[str, dict[str, Any] | None] = {"llama_server": None, "llama_rpc": None}
     curves.update({key: _curve(rows) for key, rows in levels.items()})
     return curves
