@@ -1,25 +1,28 @@
 """The tokenizer of a GGUF model, rebuilt offline from its vocabulary.
 
 A GGUF carries no ``tokenizer.json``; it stores the vocabulary, token types and either merges or
-scores under llama.cpp's keys. We rebuild the tokenizer with the ``tokenizers`` library, as a BPE
-model of one of two kinds (``tokenizer.ggml.model``):
+scores under llama.cpp's keys. The tokenizer is rebuilt from them, for one of two kinds
+(``tokenizer.ggml.model``):
 
 * ``gpt2``, byte-level BPE (SmolLM2, Qwen): tokens are spelled in the GPT-2 byte alphabet, the
   file lists the merges, and the pre-tokenizer is the one the ``tokenizer.ggml.pre`` name implies.
+  A ``tokenizers`` BPE model runs it.
 * ``llama``, SentencePiece BPE (llama.cpp's SPM vocabulary; Gemma 3): tokens are UTF-8 text with
   ``▁`` (U+2581) for a space, the file lists no merges but a score per token, and a character
   missing from the vocabulary falls back to its UTF-8 bytes as ``<0xNN>`` tokens. SentencePiece
-  repeatedly joins the adjacent pair whose joined piece scores highest; we get the same result
+  repeatedly joins the adjacent pair whose joined piece scores highest; the same result comes
   from BPE merges derived from the vocabulary: every cut of a token into two tokens is a merge,
   ranked by that token's score. The normalizer writes spaces as ``▁`` and, when
   ``tokenizer.ggml.add_space_prefix`` says so, prepends one (after each special token too, as
   llama.cpp does). User-defined tokens spelled with real spaces (Gemma's runs of 2-31 spaces) are
-  respelled with ``▁`` and merged first, ahead of every scored token.
+  respelled with ``▁`` and merged first, ahead of every scored token. `_spm.SpmCodec` runs these
+  joins on the file's own arrays; the ``tokenizers`` model with the derived merges, which holds
+  the vocabulary several times over (Gemma 3: 111 MB), is built only for `Tokenizer.to_json`.
 
-In both kinds every control token (type 3) is added as a special token, so ``<|im_end|>`` and
-``<end_of_turn>`` stay whole, and every other user-defined token (type 4: Gemma's newline and tab
-runs, HTML tags) as a plain added token, matched whole in the text as llama.cpp matches it. The
-ids match llama.cpp and Hugging Face on SmolLM2, and Hugging Face on Gemma 3.
+In both kinds every control token (type 3) is special, so ``<|im_end|>`` and ``<end_of_turn>``
+stay whole, and every other user-defined token (type 4: Gemma's newline and tab runs, HTML tags)
+is matched whole in the text as llama.cpp matches it. The ids match llama.cpp and Hugging Face
+on SmolLM2, and Hugging Face on Gemma 3.
 
 Streaming detokenization works on bytes: each token maps to the bytes it stands for (a GPT-2
 character or an SPM byte token to its byte, ``▁`` to a space), and an incremental UTF-8 decoder
@@ -34,16 +37,20 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, assert_never
 
+import numpy as np
+import numpy.typing as npt
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from .._errors import UnsupportedModelError
 from .._util import release_free_memory
 from ._gguf_file import StringArray
+from ._spm import SPM_SPACE, SpmCodec, respelled_space_runs
 
 __all__ = ["StreamDecoder", "Tokenizer", "bytes_to_unicode", "eog_ids_from_vocab"]
 
 TokenizerKind = Literal["gpt2", "llama"]
+TokenTypes = Sequence[int] | npt.NDArray[np.uint8]  # tokenizer.ggml.token_type
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 NORMAL = 1
@@ -51,7 +58,6 @@ CONTROL = 3
 USER_DEFINED = 4
 BYTE = 6
 
-SPM_SPACE = "\u2581"  # how a SentencePiece vocabulary spells a space
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # Token texts llama.cpp treats as end of generation whatever their id (llama-vocab.cpp).
@@ -118,26 +124,9 @@ def _byte_level_backend(
     return backend
 
 
-def _spm_spelling(tokens: Sequence[str], types: Sequence[int]) -> list[str]:
-    """The vocabulary as the BPE model sees it: user-defined runs of spaces spelled with ``▁``.
-
-    The normalizer turns every space into ``▁`` before the model runs, so a token spelled with
-    real spaces could never be reached; respelled, it is merged like any other piece.
-    """
-    taken = set(tokens)
-    spelled = list(tokens)
-    for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
-        if kind == USER_DEFINED and text and not text.strip(" "):
-            respelled = SPM_SPACE * len(text)
-            if respelled not in taken:
-                spelled[i] = respelled
-                taken.add(respelled)
-    return spelled
-
-
 def _spm_merges(
     spelled: Sequence[str],
-    types: Sequence[int],
+    types: TokenTypes,
     scores: Sequence[float],
     vocab: Mapping[str, int],
     respelled: Iterable[int],
@@ -166,15 +155,16 @@ def _spm_merges(
 
 def _spm_backend(
     tokens: Sequence[str],
-    types: Sequence[int],
+    types: TokenTypes,
     scores: Sequence[float],
     *,
     unknown_id: int | None,
     add_space_prefix: bool,
 ) -> tuple[tokenizers.Tokenizer, list[str]]:
     """The SentencePiece BPE backend, and the spelling of each token it was built with."""
-    spelled = _spm_spelling(tokens, types)
-    respelled = [i for i, (a, b) in enumerate(zip(tokens, spelled, strict=True)) if a != b]
+    runs = respelled_space_runs(tokens, [i for i, k in enumerate(types) if k == USER_DEFINED])
+    spelled = [runs.get(i, text) for i, text in enumerate(tokens)]
+    respelled = sorted(runs)
     vocab = {text: i for i, text in enumerate(spelled)}
     unk = spelled[unknown_id] if unknown_id is not None and 0 <= unknown_id < len(spelled) else None
     bpe = models.BPE(
@@ -208,7 +198,7 @@ def _add_vocab_tokens(
     backend: tokenizers.Tokenizer,
     spelled: Sequence[str],
     tokens: Sequence[str],
-    types: Sequence[int],
+    types: TokenTypes,
 ) -> None:
     """Control tokens as special tokens; user-defined ones the model cannot build as plain ones."""
     backend.add_special_tokens([
@@ -242,14 +232,99 @@ class StreamDecoder:
         return text
 
 
+def _types_array(token_types: TokenTypes, size: int) -> npt.NDArray[np.uint8]:
+    """The token types as bytes; a file without them has normal tokens only."""
+    if not len(token_types):
+        return np.full(size, NORMAL, np.uint8)
+    return np.asarray(token_types, np.uint8)
+
+
+def _ids_of(types: npt.NDArray[np.uint8], kind: int) -> list[int]:
+    ids: list[int] = np.flatnonzero(types == kind).tolist()
+    return ids
+
+
+class _HfCodec:
+    """A ``tokenizers`` backend (the byte-level vocabularies)."""
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        self._backend = backend
+
+    @functools.cached_property
+    def _plain(self) -> tokenizers.Tokenizer:
+        """A copy that spells control-token strings out as ordinary text.
+
+        Made through the tokenizer's JSON, whose parsing leaves the C heap holding several
+        times the copy's size, so the free pages are handed back at once.
+        """
+        plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        release_free_memory()
+        return plain
+
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        backend = self._backend if special else self._plain
+        # encode_batch releases the GIL (encode does not), so a worker thread that tokenizes a
+        # long prompt leaves the event loop free; the ids are the same.
+        ids: list[int] = backend.encode_batch([text], add_special_tokens=False)[0].ids
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool) -> str:
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special))
+
+    def to_json(self) -> str:
+        return str(self._backend.to_str())
+
+
+class _SpmCodec(SpmCodec):
+    """`SpmCodec`, and the ``tokenizers`` form of the same vocabulary made when asked for."""
+
+    def __init__(
+        self,
+        tokens: Sequence[str],
+        types: npt.NDArray[np.uint8],
+        scores: Sequence[float],
+        *,
+        unknown_id: int | None,
+        add_space_prefix: bool,
+    ) -> None:
+        spelled = respelled_space_runs(tokens, _ids_of(types, USER_DEFINED))
+        super().__init__(
+            tokens,
+            scores,
+            spelled,
+            specials=_ids_of(types, CONTROL),
+            plain_added=[i for i in _ids_of(types, USER_DEFINED) if i not in spelled],
+            buildable=_ids_of(types, NORMAL),
+            unknown_id=unknown_id,
+            add_space_prefix=add_space_prefix,
+        )
+        self._types = types
+        self._scores = np.asarray(scores, np.float32)
+
+    def to_json(self) -> str:
+        """The ``tokenizers`` JSON of this vocabulary (for llguidance), built for the call
+        only: Gemma 3's takes about a second and 50-100 MB while it lives."""
+        tokens = self._tokens
+        backend, spelled = _spm_backend(
+            tokens, self._types, self._scores.tolist(),
+            unknown_id=self._unknown, add_space_prefix=bool(self._prefix),
+        )  # fmt: skip
+        _add_vocab_tokens(backend, spelled, tokens, self._types)
+        text = str(backend.to_str())
+        del backend, spelled
+        release_free_memory()
+        return text
+
+
 class Tokenizer:
     """The BPE tokenizer of a GGUF model, byte-level or SentencePiece; see `from_gguf_fields`."""
 
     def __init__(
         self,
-        backend: tokenizers.Tokenizer,
+        codec: _HfCodec | _SpmCodec,
         tokens: Sequence[str],
-        token_types: Sequence[int],
+        token_types: TokenTypes,
         *,
         bos_id: int | None,
         eos_id: int | None,
@@ -257,17 +332,18 @@ class Tokenizer:
         add_bos: bool,
         kind: TokenizerKind = "gpt2",
     ) -> None:
-        self._backend = backend
+        self._codec = codec
         # a GGUF's own string array is kept as it is, decoded per use: a list would hold an
         # object per token (Gemma 3: 262,144 tokens, 28 MB in the server process)
         self._tokens: Sequence[str] = tokens if isinstance(tokens, StringArray) else list(tokens)
-        self._types = list(token_types) or [NORMAL] * len(self._tokens)
+        # one byte a token: a list would hold 8 (Gemma 3: 2 MiB)
+        self._types = _types_array(token_types, len(self._tokens))
         self.kind: TokenizerKind = kind
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.eog_ids = eog_ids
         self.add_bos = add_bos
-        self.special_ids = frozenset(i for i, t in enumerate(self._types) if t == CONTROL)
+        self.special_ids = frozenset(_ids_of(self._types, CONTROL))
         self._bytes_cache: dict[int, bytes] = {}
 
     def __repr__(self) -> str:
@@ -306,11 +382,14 @@ class Tokenizer:
                 BOS by default (``tokenizer.ggml.add_bos_token``).
             source: the file's name, for error messages.
         """
-        types = list(token_types) or [NORMAL] * len(tokens)
+        types = _types_array(token_types, len(tokens))
         kind: TokenizerKind
+        codec: _HfCodec | _SpmCodec
         if model == "gpt2" and tokens:
-            kind, spelled = "gpt2", list(tokens)
+            kind = "gpt2"
             backend = _byte_level_backend(tokens, merges, pre)
+            _add_vocab_tokens(backend, tokens, tokens, types)
+            codec = _HfCodec(backend)
         elif model == "llama" and tokens:
             if len(scores) != len(tokens) or len(types) != len(tokens):
                 raise UnsupportedModelError(
@@ -320,12 +399,8 @@ class Tokenizer:
                     "tokenizer.ggml.token_type)."
                 )
             kind = "llama"
-            backend, spelled = _spm_backend(
-                tokens,
-                types,
-                scores,
-                unknown_id=unknown_id,
-                add_space_prefix=add_space_prefix,
+            codec = _SpmCodec(
+                tokens, types, scores, unknown_id=unknown_id, add_space_prefix=add_space_prefix
             )
         else:
             raise UnsupportedModelError(
@@ -333,9 +408,8 @@ class Tokenizer:
                 f"{'' if tokens else ' with no tokens'}; stagerun supports byte-level BPE "
                 "('gpt2') and SentencePiece ('llama') vocabularies only."
             )
-        _add_vocab_tokens(backend, spelled, tokens, types)
         return cls(
-            backend,
+            codec,
             tokens,
             types,
             bos_id=bos_id,
@@ -349,19 +423,6 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tokens)
 
-    @functools.cached_property
-    def _plain_backend(self) -> tokenizers.Tokenizer:
-        """A copy that spells control-token strings out as ordinary text.
-
-        Made through the tokenizer's JSON, whose parsing leaves the C heap holding several
-        times the copy's size (Gemma 3's 262,144 tokens: 352 MB more resident, 94 MB once
-        trimmed), so the free pages are handed back at once.
-        """
-        plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
-        plain.encode_special_tokens = True
-        release_free_memory()
-        return plain
-
     def encode(self, text: str, *, special: bool = True, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``.
 
@@ -370,21 +431,18 @@ class Tokenizer:
                 False they are tokenized as plain text.
             add_bos: prepend the BOS id; None follows the model (``tokenizer.ggml.add_bos_token``).
         """
-        backend = self._backend if special else self._plain_backend
-        # encode_batch releases the GIL (encode does not), so a worker thread that tokenizes a
-        # long prompt leaves the event loop free; the ids are the same.
-        ids: list[int] = backend.encode_batch([text], add_special_tokens=False)[0].ids
+        ids = self._codec.encode(text, special=special)
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             ids.insert(0, self.bos_id)
         return ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         """Text of ``ids``; control tokens are written out unless ``skip_special``."""
-        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special))
+        return self._codec.decode(ids, skip_special=skip_special)
 
     def to_json(self) -> str:
         """The tokenizer in Hugging Face ``tokenizers``' JSON form (for grammar engines)."""
-        return str(self._backend.to_str())
+        return self._codec.to_json()
 
     def longest_token_chars(self) -> int:
         """The characters of the longest vocabulary entry, as the file spells it."""
@@ -404,7 +462,7 @@ class Tokenizer:
                 raise ValueError(
                     f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})."
                 )
-            text, kind = self._tokens[token_id], self._types[token_id]
+            text, kind = self._tokens[token_id], int(self._types[token_id])
             match self.kind:
                 case "gpt2":
                     cached = _byte_level_bytes(text, kind)
