@@ -420,3 +420,17 @@ def test_gemma_grammars_are_compiled_over_the_same_vocabulary(gemma: Tokenizer) 
     assert matcher.valid_prefix(ids) == len(ids)
     refused = gemma.encode("cats or dogs", add_bos=False)
     assert matcher.valid_prefix(refused) == 1  # "cats"
+
+
+def test_what_the_encoder_keeps_of_the_texts_it_saw_is_bounded() -> None:
+    # A client chooses the texts: the words and lookups the encoder keeps stay few and short.
+    from stagerun.model import _spm
+
+    tok = FULL_BYTE[False]
+    codec = tok._codec
+    for k in range(3 * _spm._KEPT_WORDS // 1000):
+        tok.encode(" ".join(f"{k}x{i}" for i in range(1000)), add_bos=False)
+    tok.encode("the" * 10_000, add_bos=False)  # one long word
+    assert 0 < len(codec._words) <= _spm._KEPT_WORDS
+    assert max(map(len, codec._words)) <= _spm._KEPT_WORD_CHARS
+    assert 0 < len(codec._looked_up) <= _spm._KEPT_LOOKUPS

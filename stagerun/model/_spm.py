@@ -48,8 +48,11 @@ SPM_SPACE = "\u2581"
 _WORD_START = re.compile(f"(?<=[^{SPM_SPACE}]){SPM_SPACE}")  # a run of spaces after a character
 _CROSSING = re.compile(f"[^{SPM_SPACE}]{SPM_SPACE}")
 _MAX_CROSSING = 256  # more tokens than this that span a word start: pieces are joined whole
-_KEPT_WORDS = 1 << 15  # the words whose ids are kept (then the store starts over)
-_KEPT_LOOKUPS = 1 << 16  # the same for the texts looked up in the vocabulary
+# What is kept of the texts seen (then the store starts over): a client's text makes these,
+# so each is bounded in entries and, words, in length (at most ~4 MiB each)
+_KEPT_WORDS = 1 << 14  # words and their ids
+_KEPT_WORD_CHARS = 48  # the longest word kept
+_KEPT_LOOKUPS = 1 << 14  # texts looked up in the vocabulary (at most twice a token's length)
 
 
 def respelled_space_runs(tokens: Sequence[str], user_defined: Iterable[int]) -> dict[int, str]:
@@ -185,9 +188,11 @@ class SpmCodec:
                 if ids is None:
                     joined: list[int] = []
                     self._join(word, joined)
-                    if len(words) >= _KEPT_WORDS:
-                        words.clear()
-                    ids = words[word] = tuple(joined)
+                    ids = tuple(joined)
+                    if len(word) <= _KEPT_WORD_CHARS:
+                        if len(words) >= _KEPT_WORDS:
+                            words.clear()
+                        words[word] = ids
                 out.extend(ids)
         return out
 
