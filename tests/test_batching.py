@@ -575,6 +575,12 @@ async def test_a_finished_forward_leaves_no_cycle_behind() -> None:
         gc.enable()
 
 
+def test_a_session_forgotten_outside_a_trio_run_leaves_the_trims_working() -> None:
+    batcher = TickBatcher(Recorder())
+    batcher.forget(object())  # nothing to wait in: no trim, and no flag left set
+    assert not batcher._trimming
+
+
 def test_releasing_free_memory_finds_glibc_here() -> None:
     from stagerun import _util
 

@@ -20,7 +20,10 @@ the ids are the same:
   the joins that build the same token the longer left side goes first, among equal ranks the
   leftmost pair;
 * a symbol left as a character the vocabulary lacks becomes its UTF-8 bytes as ``<0xNN>``
-  tokens, or one unknown token when a byte token is missing.
+  tokens, or one unknown token when a byte token is missing, written (as ``tokenizers``
+  writes it) before the next vocabulary entry, the next unknown token or at the end, so after
+  any byte tokens between; with no unknown token such a character is left out before the
+  joins, and its neighbours may join.
 
 A symbol is named by the position of its first character, so its text is a slice of the piece.
 Python runs the joins, a word at a time (cut before each run of spaces, except where a token
@@ -29,8 +32,10 @@ machine, 20,000 characters of English and Markdown: 58 ms the first time (``toke
 6 ms again; building it for Gemma 3 0.8 s and 15 MB.
 
 Where the file spells a text twice, the text means its highest id, as a dict built in id order
-has it (``tokenizers`` has the same rule for the vocabulary, but matches a control token's text
-by its content: a vocabulary with such duplicates can differ from it there; Gemma 3 has none).
+has it. ``tokenizers`` resolves such duplicates otherwise in places (a join ranked by the last
+merge listed for its pair, a control token matched by content, lower duplicates decoded as
+nothing), so a vocabulary with duplicate spellings can get other ids there; Gemma 3 and
+SmolLM2 have none. Byte tokens are the upper-case ``<0xNN>`` spellings only.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ _MAX_CROSSING = 256  # more tokens than this that span a word start: pieces are 
 # What is kept of the texts seen (then the store starts over): a client's text makes these,
 # so each is bounded in entries and, words, in length (at most ~4 MiB each)
 _KEPT_WORDS = 1 << 14  # words and their ids
-_KEPT_WORD_CHARS = 48  # the longest word kept
+_KEPT_WORD_CHARS = 48  # the longest word kept, in characters and in ids (byte fallback)
 _KEPT_LOOKUPS = 1 << 14  # texts looked up in the vocabulary (at most twice a token's length)
 
 
@@ -132,14 +137,17 @@ class SpmCodec:
         """
         self.vocab = TextIndex(tokens, spelled)
         normal = np.fromiter(buildable, np.int64)
-        by_score = normal[np.lexsort((normal, -np.asarray(scores, np.float64)[normal]))]
+        by_score = normal[np.lexsort((normal, -np.asarray(scores, np.float32)[normal]))]
         rank = np.full(len(tokens), -1, np.int32)
         first = sorted(spelled)
         rank[first] = np.arange(len(first), dtype=np.int32)
         rank[by_score] = np.arange(len(first), len(first) + len(by_score), dtype=np.int32)
         self._rank = rank
         self._tokens = tokens
-        self._unknown = unknown_id
+        # an unknown id outside the vocabulary is no unknown token (as tokenizers takes it)
+        self._unknown = (
+            unknown_id if unknown_id is not None and 0 <= unknown_id < len(tokens) else None
+        )
         self._prefix = SPM_SPACE if add_space_prefix else ""
         self._bytes = [self.vocab.get(f"<0x{b:02X}>") for b in range(256)]
         self._byte_of = {i: b for b, i in enumerate(self._bytes) if i >= 0}
@@ -179,6 +187,10 @@ class SpmCodec:
                 out.append(token)
                 continue
             piece = (self._prefix + piece).replace(" ", SPM_SPACE)
+            if self._unknown is None:
+                # what has no id at all is left out before any join, as tokenizers does: its
+                # neighbours may then join
+                piece = "".join(c for c in piece if self._lookup(c)[1] >= 0 or self._has_bytes(c))
             if self._whole:
                 self._join(piece, out)
                 continue
@@ -189,7 +201,7 @@ class SpmCodec:
                     joined: list[int] = []
                     self._join(word, joined)
                     ids = tuple(joined)
-                    if len(word) <= _KEPT_WORD_CHARS:
+                    if len(word) <= _KEPT_WORD_CHARS and len(ids) <= _KEPT_WORD_CHARS:
                         if len(words) >= _KEPT_WORDS:
                             words.clear()
                         words[word] = ids
@@ -313,20 +325,36 @@ class SpmCodec:
                     rank, token = looked_up.get(piece) or lookup(piece)
                     if rank >= 0:
                         push(queue, (rank, -size[a], a, both, token))
+        # A character that is no vocabulary entry: its byte tokens, else one unknown token,
+        # which (as tokenizers writes them) comes out only before the next vocabulary
+        # entry, another unknown token or the end, after any byte tokens between.
+        unknown = -1 if self._unknown is None else self._unknown
+        pending = False
         at = 0
         while at >= 0:
             if ids[at] >= 0:
+                if pending:
+                    out.append(unknown)
+                    pending = False
                 out.append(ids[at])
-            else:
-                self._fallback(text[at], out)
+            elif not self._write_bytes(text[at], out) and unknown >= 0:
+                if pending:
+                    out.append(unknown)
+                pending = True
             at = after[at]
+        if pending:
+            out.append(unknown)
 
-    def _fallback(self, char: str, out: list[int]) -> None:
+    def _has_bytes(self, char: str) -> bool:
+        return all(self._bytes[b] >= 0 for b in char.encode("utf-8"))
+
+    def _write_bytes(self, char: str, out: list[int]) -> bool:
+        """Append ``char``'s byte tokens, if the vocabulary has all of them."""
         by_byte = [self._bytes[b] for b in char.encode("utf-8")]
         if all(i >= 0 for i in by_byte):
             out.extend(by_byte)
-        elif self._unknown is not None:
-            out.append(self._unknown)
+            return True
+        return False
 
 
 def _utf8(run: bytearray) -> str:
