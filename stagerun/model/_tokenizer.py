@@ -155,14 +155,14 @@ def _spm_merges(
 
 def _spm_backend(
     tokens: Sequence[str],
-    types: TokenTypes,
+    types: npt.NDArray[np.uint8],
     scores: Sequence[float],
     *,
     unknown_id: int | None,
     add_space_prefix: bool,
 ) -> tuple[tokenizers.Tokenizer, list[str]]:
     """The SentencePiece BPE backend, and the spelling of each token it was built with."""
-    runs = respelled_space_runs(tokens, [i for i, k in enumerate(types) if k == USER_DEFINED])
+    runs = respelled_space_runs(tokens, _ids_of(types, USER_DEFINED))
     spelled = [runs.get(i, text) for i, text in enumerate(tokens)]
     respelled = sorted(runs)
     vocab = {text: i for i, text in enumerate(spelled)}
@@ -288,13 +288,14 @@ class _SpmCodec(SpmCodec):
         unknown_id: int | None,
         add_space_prefix: bool,
     ) -> None:
-        spelled = respelled_space_runs(tokens, _ids_of(types, USER_DEFINED))
+        user_defined = _ids_of(types, USER_DEFINED)
+        spelled = respelled_space_runs(tokens, user_defined)
         super().__init__(
             tokens,
             scores,
             spelled,
             specials=_ids_of(types, CONTROL),
-            plain_added=[i for i in _ids_of(types, USER_DEFINED) if i not in spelled],
+            plain_added=[i for i in user_defined if i not in spelled],
             buildable=_ids_of(types, NORMAL),
             unknown_id=unknown_id,
             add_space_prefix=add_space_prefix,
