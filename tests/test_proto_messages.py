@@ -365,7 +365,7 @@ def test_every_valid_message_survives_the_wire(kind: str, data: st.DataObject) -
 
 # Values no field accepts: not an int in range, not a tuple of token or window ids, not a bool,
 # not a str, not a map with the nested class's fields, and not a finite float >= 0.
-NEVER_VALID: list[object] = [None, b"x", -1, math.nan, (None,), {}]
+NEVER_VALID: list[object] = [None, b"x", -3, math.nan, (None,), {}]  # penalties take -2..2
 
 
 def corrupt(message: Any, data: st.DataObject) -> tuple[dict[str, Any], str]:
