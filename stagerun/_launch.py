@@ -141,6 +141,7 @@ async def open_pipeline(
                 recovery=config.recovery,
                 chat_template=config.chat_template,
                 prefix_cache_bytes=config.prefix_cache_bytes,
+                inline_seconds=config.inline_compute_ms / 1e3,
                 # stage 0 is bounded as the others are
                 max_sessions=limits[0],
                 max_kv_tokens=limits[1],

@@ -507,13 +507,105 @@ async def test_ticks_give_freed_memory_back_now_and_then(monkeypatch: pytest.Mon
     calls: list[float] = []
     monkeypatch.setattr(_batcher, "release_free_memory", lambda: calls.append(1.0))
     monkeypatch.setattr(_batcher, "TRIM_SECONDS", 0.0)
-    batcher = TickBatcher(Recorder())
+    batcher = TickBatcher(Recorder(), inline_seconds=0.0)  # every tick in a worker thread
     await batcher.forward(_item(1))
     await batcher.forward(_item(1))
     assert len(calls) == 2
     monkeypatch.setattr(_batcher, "TRIM_SECONDS", 3600.0)
     await batcher.forward(_item(1))
     assert len(calls) == 2  # rate-limited
+    monkeypatch.setattr(_batcher, "TRIM_SECONDS", 0.0)
+    inline = TickBatcher(Recorder())
+    for _ in range(3):
+        await inline.forward(_item(1))
+    assert inline.inline_ticks == 2
+    assert len(calls) == 3  # the first tick's thread trims; the loop never does
+
+
+class ThreadRecorder(Recorder):
+    """A `Recorder` that also notes the thread each tick ran on."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        super().__init__(delay)
+        self.threads: list[bool] = []  # True: the Trio thread
+
+    def forward_batch(self, items: list[ForwardItem]) -> list[Any]:
+        self.threads.append(threading.current_thread() is threading.main_thread())
+        return super().forward_batch(items)
+
+
+async def test_quick_ticks_of_one_small_forward_run_on_the_trio_thread() -> None:
+    backend = ThreadRecorder()
+    batcher = TickBatcher(backend, inline_seconds=0.05)
+    for rows in (1, 1, 8, 9):
+        await batcher.forward(_item(rows))
+    await batcher.forward(_item(1), prefill=True)
+    async with trio.open_nursery() as nursery:  # two sessions in one tick
+        for _ in range(2):
+            nursery.start_soon(batcher.forward, _item(1))
+    # the first measures in a thread; 9 rows, a prefill chunk and two sessions are not small
+    assert backend.threads == [False, True, True, False, False, False]
+    assert batcher.inline_ticks == 2 and backend.calls[-1] == [1, 1]
+    off = ThreadRecorder()
+    unbounded = TickBatcher(off, inline_seconds=0.0)
+    for _ in range(3):
+        await unbounded.forward(_item(1))
+    assert off.threads == [False] * 3
+
+
+async def test_an_inline_tick_waits_for_the_loop_to_run_what_is_ready() -> None:
+    # Stage 0's token reaches its client through several tasks: an inline tick that held the
+    # loop before they ran would write every token one step late. And a loop that stays busy
+    # gets no inline tick at all: it goes to a worker thread.
+    backend = ThreadRecorder()
+    batcher = TickBatcher(backend, inline_seconds=0.05)
+    await batcher.forward(_item(1))  # measures, in a thread
+    hops: list[int] = []
+    seen_at_compute: list[int] = []
+    inner = backend.forward_batch
+
+    def forward_batch(items: list[ForwardItem]) -> list[Any]:
+        seen_at_compute.append(len(hops))
+        return inner(items)
+
+    backend.forward_batch = forward_batch  # type: ignore[method-assign]
+
+    async def relay(hops_left: int) -> None:  # a token handed from task to task
+        for _ in range(hops_left):
+            await trio.lowlevel.checkpoint()
+            hops.append(1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay, 6)
+        await batcher.forward(_item(1))
+    assert seen_at_compute == [6] and backend.threads[-1] is True
+
+    async def spin(seconds: float) -> None:  # never blocked for long
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(spin, 0.05)
+        await trio.lowlevel.checkpoint()
+        await batcher.forward(_item(1))
+    assert backend.threads[-1] is False and batcher.inline_ticks == 1
+
+
+async def test_ticks_that_turn_slow_go_back_to_a_worker_thread() -> None:
+    backend = ThreadRecorder()
+    batcher = TickBatcher(backend, inline_seconds=0.02)
+    await batcher.forward(_item(1))
+    await batcher.forward(_item(1))
+    backend.delay = 0.1  # the estimate moves a quarter of the way: 25 ms, over the bound
+    await batcher.forward(_item(1))
+    await batcher.forward(_item(1))
+    backend.delay = 0.0  # quick again: the estimate falls back under the bound
+    for _ in range(4):
+        await batcher.forward(_item(1))
+    assert backend.threads == [False, True, True, False, False, False, False, True]
+    with pytest.raises(ValueError, match="inline_seconds"):
+        TickBatcher(backend, inline_seconds=-1.0)
 
 
 async def test_a_quiet_spell_after_a_session_ends_gives_freed_memory_back(

@@ -88,6 +88,7 @@ INVALID: dict[str, Any] = {
     "prefix_cache": "yes",
     "prefix_cache_mb": -1,
     "chat_template": "  ",
+    "inline_compute_ms": -1.0,
 }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from .._driver._config import PipelineConfig
 from .._driver._topology import load_topology
+from .._engine._config import DEFAULT_INLINE_COMPUTE_MS
 from .._engine._prefix import DEFAULT_PREFIX_CACHE_MB
 from ._options import recovery_from_args, speculation_from_args
 
@@ -45,6 +46,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> PipelineConf
         "prefix_cache": get("prefix_cache", "on") == "on",
         "prefix_cache_mb": get("prefix_cache_mb", DEFAULT_PREFIX_CACHE_MB),
         "chat_template": get("chat_template"),
+        "inline_compute_ms": get("inline_compute_ms", DEFAULT_INLINE_COMPUTE_MS),
     }
     if isinstance(get("stages"), int):
         settings["stages"] = get("stages")

@@ -27,6 +27,7 @@ from ._pipeline_options import (
     _link_options,
     _plugin_options,
     chat_template_option,
+    inline_compute_option,
     prefix_cache_options,
 )
 
@@ -124,6 +125,7 @@ def _stage_compute_options(p: argparse.ArgumentParser) -> None:
         "--tick-rows", type=_positive_int, default=engine.DEFAULT_TICK_ROWS, metavar="N",
         help=f"rows one tick computes at most (default {engine.DEFAULT_TICK_ROWS})",
     )  # fmt: skip
+    inline_compute_option(p)
     p.add_argument(
         "--reply-timeout", type=_seconds, default=None, metavar="SECS",
         help="deadline of every write to a peer (default $STAGERUN_STAGE_REPLY_TIMEOUT_SECS "

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 
+from .._engine._config import DEFAULT_INLINE_COMPUTE_MS
 from .._engine._prefix import DEFAULT_PREFIX_CACHE_MB
 
 MAX_TEMPLATE_BYTES = 1 << 20  # real templates are 1-10 kB
@@ -113,6 +115,28 @@ def _plugin_options(p: argparse.ArgumentParser) -> None:
         help="compute device for backends that take one (torch): cuda, cuda:1, cpu",
     )
     prefix_cache_options(p)
+    inline_compute_option(p)
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds") from None
+    if not (0 <= value < math.inf):
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more milliseconds")
+    return value
+
+
+def inline_compute_option(p: argparse.ArgumentParser) -> None:
+    """``--inline-compute-ms``: how long a quick tick may hold the event loop."""
+    p.add_argument(
+        "--inline-compute-ms", type=_milliseconds, default=DEFAULT_INLINE_COMPUTE_MS,
+        metavar="MS",
+        help="a tick of one request's decode step runs on the event loop's thread while such "
+        "ticks take at most this long, saving two thread hand-offs a token (0: never; "
+        f"default {DEFAULT_INLINE_COMPUTE_MS:g})",
+    )  # fmt: skip
 
 
 def _megabytes(text: str) -> int:

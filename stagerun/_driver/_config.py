@@ -36,6 +36,7 @@ from .._decide._prefill import (
     parse_chunk_policy,
 )
 from .._engine._config import (
+    DEFAULT_INLINE_COMPUTE_MS,
     DEFAULT_MAX_KV_TOKENS,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_PREFIX_CACHE_MB,
@@ -141,6 +142,8 @@ class PipelineConfig:
             running requests take KV room back from it whenever they need it.
         chat_template: a Jinja chat template (its text) for chat prompts in place of the
             model's; None uses the model's, and a model without one refuses chat prompts.
+        inline_compute_ms: how long a tick of one request's decode step may hold the event
+            loop (stage 0's is this Trio run's) to save two thread hand-offs (0: never).
     """
 
     stages: int = 1
@@ -168,6 +171,7 @@ class PipelineConfig:
     prefix_cache: bool = True
     prefix_cache_mb: int = DEFAULT_PREFIX_CACHE_MB
     chat_template: str | None = attrs.field(default=None, repr=False)
+    inline_compute_ms: float = DEFAULT_INLINE_COMPUTE_MS
 
     @property
     def prefix_cache_bytes(self) -> int:
@@ -323,6 +327,7 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "prefix_cache": ("must be True or False", lambda v: isinstance(v, bool)),
     "prefix_cache_mb": ("must not be negative (MiB)", _whole(0)),
     "chat_template": ("must be None or a template's text, not empty", _optional(_names)),
+    "inline_compute_ms": ("must not be negative (milliseconds)", _number(0.0)),
 }
 
 
@@ -385,6 +390,7 @@ def stage_config(
         max_kv_tokens=max_kv_tokens,
         max_payload_bytes=max_payload_bytes,
         prefix_cache_bytes=config.prefix_cache_bytes,
+        inline_compute_ms=config.inline_compute_ms,
     )
 
 

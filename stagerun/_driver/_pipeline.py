@@ -43,6 +43,7 @@ from .._engine import (
     DEFAULT_MAX_KV_TOKENS,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_PREFIX_CACHE_MB,
+    INLINE_SECONDS,
     Grammars,
     PrefixCache,
     StageEngine,
@@ -109,6 +110,7 @@ class Pipeline:
         max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
         chat_template: str | None = None,
+        inline_seconds: float = INLINE_SECONDS,
     ) -> None:
         self.model = model
         self.chat_template = chat_template  # in place of the model's (PipelineConfig's)
@@ -145,6 +147,7 @@ class Pipeline:
             max_sessions=max_sessions,
             max_kv_tokens=max_kv_tokens,
             prefix_cache_bytes=prefix_cache_bytes,
+            inline_seconds=inline_seconds,
             grammars=Grammars(model.tokenizer, model.config.vocab_size),
         )
         self.prefix_salt = secrets.token_bytes(16)  # keys the block names (`_proto._prefix`)

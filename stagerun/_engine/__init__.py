@@ -7,6 +7,7 @@ answer, remember, close). The stage server (`stagerun._stage`) and the driver
 every setting of a stage, declared and checked in one place (`stagerun._engine._config`).
 """
 
+from ._batcher import INLINE_SECONDS as INLINE_SECONDS
 from ._batcher import TickBatcher as TickBatcher
 from ._batcher import TickInfo as TickInfo
 from ._budget import DEFAULT_MAX_KV_TOKENS as DEFAULT_MAX_KV_TOKENS

@@ -12,6 +12,13 @@ tick for everybody, then wakes the others; one whose forward is done returns, an
 tick after. A tick is never abandoned half-way: the thread finishes, and its results are
 delivered, even if the task running it is cancelled meanwhile (that task then raises).
 
+A tick of one session's decode step or verify window, when such ticks have lately taken at most
+``inline_seconds``, runs on the Trio thread itself once every other ready task has run (so a
+token on its way to a client is written first): the loop is held that long, and the two
+hand-offs of a worker thread (about 0.3 ms on a 2-core VM, paid at every stage for every token
+of a lone stream) are saved. A tick of several sessions or of a prefill chunk always runs in a
+worker thread, where the loop goes on reading and sending for the others meanwhile.
+
 A verify window named by a ``Cancel`` before its tick starts is dropped unseen; one cancelled
 during its tick stops at the next layer boundary (its ``should_stop``) while the rest of the
 batch goes on. When a batched forward fails (a session sent activations of the wrong width,
@@ -29,6 +36,7 @@ from typing import Any
 import attrs
 import numpy as np
 import trio
+import trio.testing
 
 from .._decide._ticks import DEFAULT_TICK_ROWS, Waiting, choose_tick
 from .._errors import ComputeCancelled
@@ -44,6 +52,9 @@ GATHER_TICKS = 3.0
 GATHER_SEEN_SECONDS = 0.3
 TRIM_SECONDS = 2.0  # a tick's thread gives freed heap memory back at most this often
 IDLE_TRIM_SECONDS = 0.5  # after a session ends, this long without a tick: freed memory back
+INLINE_SECONDS = 0.01  # the default bound on a tick run on the Trio thread (`TickBatcher`)
+INLINE_ROWS = 8  # rows of the one forward of a tick that may run there, at most
+INLINE_SETTLE_SECONDS = 0.002  # how long the loop may take to run its other ready tasks first
 
 
 @attrs.define
@@ -105,6 +116,11 @@ class TickBatcher:
             `_gather`). Stage 0 gathers: the requests that share its ticks then travel down
             the pipeline together, so every stage computes them in one tick; without it,
             closed-loop requests drift apart and most ticks compute one or two of them.
+        inline_seconds: a tick of one forward (a decode step or verify window of at most
+            `INLINE_ROWS` rows, no prefill) runs on the Trio thread when the running estimate
+            of such ticks' time is at most this; the first runs in a worker thread to measure.
+            0 turns it off. The loop serves nothing else meanwhile, so this is how long the
+            batcher may hold it.
     """
 
     def __init__(
@@ -114,6 +130,7 @@ class TickBatcher:
         max_rows: int = DEFAULT_TICK_ROWS,
         max_items: int | None = None,
         gather: int | None = None,
+        inline_seconds: float = INLINE_SECONDS,
     ) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
@@ -121,10 +138,15 @@ class TickBatcher:
             raise ValueError(f"max_items must be at least 1, got {max_items}")
         if gather is not None and gather < 1:
             raise ValueError(f"gather must be at least 1 group, got {gather}")
+        if not inline_seconds >= 0:
+            raise ValueError(f"inline_seconds must be 0 or more, got {inline_seconds}")
         self.backend = backend
         self.max_rows = max_rows
         self.max_items = max_items
         self.gather = gather
+        self.inline_seconds = inline_seconds
+        self.inline_ticks = 0  # ticks run on the Trio thread
+        self._small_tick: float | None = None  # running estimate of a one-forward tick's time
         self.gathered_seconds = 0.0  # time ticks waited for more work
         self._seen: dict[int, float] = {}  # session (cache id) -> when it last asked
         self._arrived = trio.Event()
@@ -241,14 +263,47 @@ class TickBatcher:
             await trio.lowlevel.checkpoint()  # work that is ready now joins this tick
             if self.gather is not None:
                 await self._gather(self.gather)
+            settled = self._quick(self._waiting) and await self._settle()
             jobs = self._take()
             if jobs:
-                start = time.perf_counter()
-                await self._in_thread(jobs, own)
-                self._count(jobs, start, time.perf_counter())
+                await self._run(jobs, own, inline=settled and self._quick(jobs))
         finally:
             self._running = None
             done.set()
+
+    def _quick(self, jobs: list[_Job]) -> bool:
+        """Whether ``jobs`` would be a tick to run inline: one small forward, no prefill,
+        while such ticks have lately taken at most ``inline_seconds``."""
+        estimate = self._small_tick
+        return (
+            len(jobs) == 1
+            and _small(jobs[0])
+            and estimate is not None
+            and estimate <= self.inline_seconds
+        )
+
+    async def _settle(self) -> bool:
+        """Let every other ready task run first: a token on its way to a client (stage 0's
+        answer goes through several tasks) is written before the loop is held, not after.
+        False if the loop is still busy after `INLINE_SETTLE_SECONDS` (then no inline tick)."""
+        with trio.move_on_after(INLINE_SETTLE_SECONDS):
+            await trio.testing.wait_all_tasks_blocked()
+            return True
+        return False
+
+    async def _run(self, jobs: list[_Job], own: _Job, *, inline: bool) -> None:
+        """Compute a tick's ``jobs``, on this thread if ``inline``, else in a worker thread."""
+        start = time.perf_counter()
+        if inline:
+            self._compute(jobs, trim=False)  # no checkpoint: nothing else runs meanwhile
+            self.inline_ticks += 1
+        else:
+            await self._in_thread(jobs, own)
+        end = time.perf_counter()
+        self._count(jobs, start, end)
+        if len(jobs) == 1 and _small(jobs[0]):  # the running estimate `_quick` reads
+            took, estimate = end - start, self._small_tick
+            self._small_tick = took if estimate is None else estimate + (took - estimate) / 4
 
     async def _in_thread(self, jobs: list[_Job], own: _Job) -> None:
         """Compute ``jobs`` in a worker thread, which a cancelled caller does not wait out.
@@ -323,8 +378,9 @@ class TickBatcher:
         self._waiting = [j for i, j in enumerate(self._waiting) if i not in taken]
         return jobs
 
-    def _compute(self, jobs: list[_Job]) -> None:
-        """One tick, in the worker thread: every job gets its outcome."""
+    def _compute(self, jobs: list[_Job], *, trim: bool = True) -> None:
+        """One tick, in the worker thread (or inline): every job gets its outcome; ``trim``:
+        give freed heap back if the last trim is `TRIM_SECONDS` old (never on the loop)."""
         items = [job.item for job in jobs]
         try:
             with np.errstate(all="ignore"):  # what is not finite is refused by the caller
@@ -338,7 +394,7 @@ class TickBatcher:
             outcomes = [exc]
         for job, outcome in zip(jobs, outcomes, strict=True):
             job.outcome = outcome
-        if time.perf_counter() - self._trimmed > TRIM_SECONDS:
+        if trim and time.perf_counter() - self._trimmed > TRIM_SECONDS:
             self._trimmed = time.perf_counter()
             release_free_memory()  # ended sessions' caches and big temporaries
 
@@ -353,6 +409,10 @@ class TickBatcher:
         self.items += len(jobs)
         self.rows += sum(job.item.rows for job in jobs)
         self.batch_sizes[len(jobs)] += 1
+
+
+def _small(job: _Job) -> bool:
+    return not job.prefill and job.item.rows <= INLINE_ROWS
 
 
 def _alone(backend: Any, item: ForwardItem) -> np.ndarray[Any, Any] | BaseException:

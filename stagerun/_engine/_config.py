@@ -35,11 +35,13 @@ from .._wire._address import format_address
 from .._wire._auth import MIN_SECRET_BYTES, SECRET_FILE_ENV, lane_secret
 from .._wire._connect import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT, LinkEmulation
+from ._batcher import INLINE_SECONDS
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:0"
 DEFAULT_MAX_SESSIONS = 64  # 4x the server's default --max-batch: a lane per request, and spares
 DEFAULT_MAX_KV_TOKENS = 131_072  # 16 requests (the default --max-batch) at 8192 positions each
 DEFAULT_PREFIX_CACHE_MB = 512  # per stage process; running requests win over it anyway
+DEFAULT_INLINE_COMPUTE_MS = INLINE_SECONDS * 1e3  # a quick tick of one forward, on the loop
 # What peers may hold of one stage (see "Connection limits" in `stagerun._stage._server`).
 DEFAULT_MAX_CONNECTIONS = 1024  # far above an honest pipeline's lanes, standbys and probes
 DEFAULT_MAX_HANDSHAKES = 64  # honest peers take a round trip or two; pools connect one by one
@@ -164,6 +166,7 @@ _CHECKS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "handshake_timeout": (SECONDS, _seconds),
     "max_batch": ("None or at least 1", _optional(_at_least(1))),
     "tick_rows": ("at least 1", _at_least(1)),
+    "inline_compute_ms": ("0 or more milliseconds", lambda v: _seconds(v, zero=True)),
     "max_sessions": ("at least 1", _at_least(1)),
     "max_kv_tokens": ("at least 1", _at_least(1)),
     "max_connections": ("at least 1", _at_least(1)),
@@ -202,6 +205,9 @@ class StageConfig:
             secret, its nonce and proof); a peer that stalls is dropped after that.
         max_batch: sessions one tick computes together at most (1: no batching).
         tick_rows: rows one tick computes at most (a larger forward runs alone).
+        inline_compute_ms: a tick of one session's decode step or verify window runs on the
+            event loop's thread, saving a worker thread's two hand-offs, while such ticks
+            take at most this long (0: always in a worker thread; see `TickBatcher`).
         max_sessions: requests open at once on this stage, over all its lanes; a
             ``Configure`` past it is answered with an ``Error``.
         max_kv_tokens: KV positions the caches of all those requests may reach together; a
@@ -243,6 +249,7 @@ class StageConfig:
     handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
     max_batch: int | None = None
     tick_rows: int = DEFAULT_TICK_ROWS
+    inline_compute_ms: float = DEFAULT_INLINE_COMPUTE_MS
     max_sessions: int = DEFAULT_MAX_SESSIONS
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
@@ -372,6 +379,7 @@ class StageConfig:
             handshake_timeout=args.handshake_timeout,
             max_batch=args.max_batch,
             tick_rows=args.tick_rows,
+            inline_compute_ms=args.inline_compute_ms,
             max_sessions=args.max_sessions,
             max_kv_tokens=args.max_kv_tokens,
             max_connections=args.max_connections,
@@ -439,6 +447,7 @@ def to_argv(config: StageConfig, *, listen: bool = True) -> list[str]:
         argv += ["--max-batch", str(config.max_batch)]
     argv += [
         "--tick-rows", str(config.tick_rows),
+        "--inline-compute-ms", repr(config.inline_compute_ms),
         "--max-sessions", str(config.max_sessions),
         "--max-kv-tokens", str(config.max_kv_tokens),
         "--max-connections", str(config.max_connections),

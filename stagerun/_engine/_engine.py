@@ -33,7 +33,7 @@ from .. import _proto, _spans
 from .._decide._ticks import DEFAULT_TICK_ROWS
 from .._errors import ComputeCancelled, StageError
 from ..abc import ComputeBackend, ForwardItem, exports_kv
-from ._batcher import TickBatcher, TickInfo
+from ._batcher import INLINE_SECONDS, TickBatcher, TickInfo
 from ._budget import DEFAULT_MAX_KV_TOKENS, DEFAULT_MAX_SESSIONS, SessionBudget
 from ._grammar import GrammarError, Grammars
 from ._prefix import DEFAULT_PREFIX_CACHE_MB, PrefixCache, keep_blocks, restore_blocks
@@ -57,6 +57,8 @@ class StageEngine:
         max_batch: sessions one tick computes together at most (1: no batching).
         tick_rows: rows one tick computes at most (a larger forward runs alone).
         gather: how many groups decoding sessions travel in (stage 0's, see `TickBatcher`).
+        inline_seconds: the longest a tick of one small forward may hold the Trio thread
+            (it saves a worker thread's hand-offs; 0: every tick in a worker thread).
         max_sessions: requests open at once on this stage.
         max_kv_tokens: KV positions the caches of all those requests may reach together.
         prefix_cache_bytes: what the prefix cache may hold (0: none). Its KV positions
@@ -72,6 +74,7 @@ class StageEngine:
         max_batch: int | None = None,
         tick_rows: int = DEFAULT_TICK_ROWS,
         gather: int | None = None,
+        inline_seconds: float = INLINE_SECONDS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_MB << 20,
@@ -84,7 +87,13 @@ class StageEngine:
         self.prefix_cache: PrefixCache | None = None
         if prefix_cache_bytes > 0 and exports_kv(backend):
             self.prefix_cache = PrefixCache(prefix_cache_bytes, budget=self.budget)
-        self.batcher = TickBatcher(backend, max_rows=tick_rows, max_items=max_batch, gather=gather)
+        self.batcher = TickBatcher(
+            backend,
+            max_rows=tick_rows,
+            max_items=max_batch,
+            gather=gather,
+            inline_seconds=inline_seconds,
+        )
         self.computes = 0  # forwards asked for (a stale one dropped unseen included)
         self.stale_dropped = 0  # stale windows dropped before their compute started
         self.stale_stopped = 0  # stale windows whose compute stopped at a layer boundary

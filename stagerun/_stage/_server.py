@@ -125,6 +125,7 @@ class StageServer:
             index=config.index,
             max_batch=config.max_batch,
             tick_rows=config.tick_rows,
+            inline_seconds=config.inline_compute_ms / 1e3,
             max_sessions=config.max_sessions,
             max_kv_tokens=config.max_kv_tokens,
             prefix_cache_bytes=config.prefix_cache_bytes,
