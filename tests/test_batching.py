@@ -592,6 +592,40 @@ async def test_an_inline_tick_waits_for_the_loop_to_run_what_is_ready() -> None:
     assert backend.threads[-1] is False and batcher.inline_ticks == 1
 
 
+async def test_a_tick_that_shows_no_progress_is_stalled_and_one_that_does_is_not() -> None:
+    # Progress is the tick's start and each layer boundary (the backend asks should_stop);
+    # a stage server refuses handshakes past STALL_SECONDS of none (test_hostile_lane.py).
+    gate = threading.Event()
+
+    class Hung(Recorder):
+        def forward_batch(self, items: list[ForwardItem]) -> list[Any]:
+            if self.delay:  # a backend that reaches a layer boundary every 20 ms
+                for _ in range(int(self.delay / 0.02)):
+                    threading.Event().wait(0.02)
+                    assert all(item.should_stop is not None for item in items)
+                    for item in items:
+                        item.should_stop()  # type: ignore[misc]
+            else:
+                gate.wait(10)
+            return super().forward_batch(items)
+
+    backend = Hung()
+    batcher = TickBatcher(backend, inline_seconds=0.0)
+    assert batcher.stalled_for() == 0.0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batcher.forward, _item(1))
+        await trio.sleep(0.3)
+        assert 0.25 < batcher.stalled_for() < 5
+        assert batcher.stalled_for(now=time.perf_counter() + 100) > 100
+        gate.set()
+    assert batcher.stalled_for() == 0.0
+    backend.delay = 0.6  # a long tick, but one that moves
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(batcher.forward, _item(1))
+        await trio.sleep(0.4)
+        assert batcher.stalled_for() < 0.2
+
+
 async def test_ticks_that_turn_slow_go_back_to_a_worker_thread() -> None:
     backend = ThreadRecorder()
     batcher = TickBatcher(backend, inline_seconds=0.02)

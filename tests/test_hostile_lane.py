@@ -15,6 +15,8 @@ import os
 import pathlib
 import struct
 import sys
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ import trio
 from _processes import start_stage
 from _stage_client import honest_request
 
+from stagerun import LaneHandshakeError
 from stagerun import _proto as proto
 from stagerun._stage._server import StageServer, payload_limit
 from stagerun._wire._auth import SECRET_ENV, SECRET_FILE_ENV
@@ -251,3 +254,48 @@ async def test_a_frame_announcing_more_than_the_limit_is_refused_from_its_prefix
         while server.protocol_errors != 1:  # noqa: ASYNC110 -- a counter, no event
             await trio.sleep(0.01)
     await lane.aclose_forcefully()
+
+
+# -- a compute that hangs: the liveness probe must see it ---------------------------------------
+
+
+async def test_a_stage_whose_compute_hangs_refuses_handshakes_until_it_moves_again(
+    last_stage_backend: NumpyBackend, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A compute thread stuck in its backend left the stage's loop answering handshakes, so
+    # the supervisor's liveness probe never killed it. Past STALL_SECONDS without progress
+    # the stage now refuses them (the probe's failure), and takes them again once it moves.
+    from stagerun._stage import _server
+
+    monkeypatch.setattr(_server, "STALL_SECONDS", 0.3)
+    gate = threading.Event()
+    computes = last_stage_backend.forward_batch
+
+    def hanging(items: list[Any]) -> list[Any]:
+        gate.wait(30)
+        return computes(items)
+
+    monkeypatch.setattr(last_stage_backend, "forward_batch", hanging)
+    server = StageServer(last_stage_backend, index=1, secret=None, inline_compute_ms=0.0)
+    address = await nursery.start(server.serve)
+    with trio.fail_after(20):
+        lane, back = await _lane(address, 1)
+        await lane.send(proto.Configure(request_id=1, return_key=1, prompt_len=1), timeout=5)
+        assert isinstance(await _reply(lane), proto.Ack)
+        hidden = np.ones((1, last_stage_backend.d_model), np.float32)
+        await lane.send(proto.Decode(request_id=1, position=0, tokens=(1,)), hidden, timeout=5)
+        probe = await open_connection(
+            address, role=proto.Role.LANE, connect_timeout=5, ready_timeout=5
+        )
+        await probe.aclose_forcefully()  # hanging, but not for long yet
+        await trio.sleep(0.5)
+        with pytest.raises(LaneHandshakeError, match="no progress for"):
+            await open_connection(address, role=proto.Role.LANE, connect_timeout=5, ready_timeout=5)
+        gate.set()
+        assert isinstance(await _reply(back), proto.Predictions)
+        probe = await open_connection(
+            address, role=proto.Role.LANE, connect_timeout=5, ready_timeout=5
+        )
+        await probe.aclose_forcefully()
+        for stream in (probe, lane, back):
+            await stream.aclose_forcefully()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import threading
@@ -103,3 +104,34 @@ async def test_health_reports_each_stages_real_backend(tiny: Path) -> None:
         async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             stages = (await client.get("/health")).json()["stages"]
     assert [stage["backend"] for stage in stages] == ["numpy", "fake"]
+
+
+async def test_stage_0_whose_compute_hangs_reports_stalled(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A compute thread stuck in stage 0's backend: its health says so (a stage process in
+    # that state refuses handshakes: test_hostile_lane.py), and ready again once it moves.
+    from stagerun._driver import _pipeline
+
+    monkeypatch.setattr(_pipeline, "STALL_SECONDS", 0.3)
+    gate = threading.Event()
+    async with open_pipeline(tiny, stages=1) as pipeline:
+        backend = pipeline.engine.backend
+        computes = backend.forward_batch
+
+        def hanging(items: list[object]) -> object:
+            gate.wait(30)
+            return computes(items)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(backend, "forward_batch", hanging)
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(pipeline.complete, "hi", max_tokens=2))
+                await trio.sleep(0.1)
+                assert [h.state for h in await pipeline.check_health()] == ["ready"]
+                await trio.sleep(0.5)
+                (health,) = await pipeline.check_health()
+                assert health.state == "stalled" and not health.available
+                assert health.error is not None and "no progress for" in health.error
+                gate.set()
+            assert [h.state for h in await pipeline.check_health()] == ["ready"]

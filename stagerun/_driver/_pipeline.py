@@ -49,6 +49,7 @@ from .._engine import (
     StageEngine,
     TickBatcher,
 )
+from .._engine._batcher import STALL_SECONDS
 from .._errors import LaneError, PipelineClosedError
 from .._util import single_exceptions
 from .._wire._connect import ENV_SECRET, alternatives, open_connection
@@ -215,6 +216,10 @@ class Pipeline:
         own = status.prefix if self.prefix_cache is not None else None
         work = StageWork.from_status(status)
         results = [StageHealth(self.stages[0], "ready", prefix_cache=own, work=work)]
+        stalled = self.engine.batcher.stalled_for()
+        if stalled > STALL_SECONDS:  # as a stage server then refuses its handshakes
+            error = f"stage 0's compute has shown no progress for {stalled:.0f} s"
+            results = [StageHealth(self.stages[0], "stalled", error=error, work=work)]
         probes: dict[str, AddressHealth] = {}
         secret = self.pool.secret if self.pool is not None else ENV_SECRET  # the lanes' own
 

@@ -126,7 +126,7 @@ class StageHealth:
     """
 
     stage: StageInfo
-    state: Literal["ready", "unreachable", "closed"]
+    state: Literal["ready", "unreachable", "stalled", "closed"]
     error: str | None = None
     latency_ms: float | None = None
     standbys: tuple[AddressHealth, ...] = ()

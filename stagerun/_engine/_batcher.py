@@ -55,6 +55,7 @@ IDLE_TRIM_SECONDS = 0.5  # after a session ends, this long without a tick: freed
 INLINE_SECONDS = 0.01  # the default bound on a tick run on the Trio thread (`TickBatcher`)
 INLINE_ROWS = 8  # rows of the one forward of a tick that may run there, at most
 INLINE_SETTLE_SECONDS = 0.002  # how long the loop may take to run its other ready tasks first
+STALL_SECONDS = 60.0  # a tick showing no progress this long has stalled (`stalled_for`)
 
 
 @attrs.define
@@ -79,6 +80,7 @@ class _Job:
         prefill: bool,
         stale: Callable[[], bool] | None,
         tick: TickInfo | None,
+        progress: list[float],
     ) -> None:
         self.prefill, self.stale, self.tick = prefill, stale, tick
         self.outcome: np.ndarray[Any, Any] | BaseException | None = None
@@ -88,7 +90,8 @@ class _Job:
         stop = self._stop = [False]
         inner = item.should_stop
 
-        def should_stop() -> bool:
+        def should_stop() -> bool:  # asked at each layer boundary: the tick goes on
+            progress[0] = time.perf_counter()
             return stop[0] or (inner is not None and inner())
 
         self.item = attrs.evolve(item, should_stop=should_stop)
@@ -155,6 +158,7 @@ class TickBatcher:
         self._waiting: list[_Job] = []
         self._running: trio.Event | None = None
         self._computing: list[_Job] = []  # the jobs of the tick whose thread runs now
+        self._progress = [0.0]  # when that tick last showed progress (began, reached a layer)
         self.ticks = 0
         self.items = 0  # forwards computed (a stale one dropped before its tick is not)
         self.rows = 0
@@ -186,6 +190,15 @@ class TickBatcher:
         busy = sum(min(took, end - (now - seconds)) for end, took in self._recent)
         return min(1.0, busy / seconds)
 
+    def stalled_for(self, now: float | None = None) -> float:
+        """How long the tick computing in a worker thread now has shown no progress: since
+        it began or its backend last asked, at a layer boundary, whether to stop (0 when no
+        tick computes there). Past `STALL_SECONDS` the stage's compute is taken to hang: a
+        stage server then refuses handshakes, so its supervisor's liveness probe fails."""
+        if not self._computing:
+            return 0.0
+        return max(0.0, (time.perf_counter() if now is None else now) - self._progress[0])
+
     async def forward(
         self,
         item: ForwardItem,
@@ -202,7 +215,7 @@ class TickBatcher:
         Raises:
             ComputeCancelled: the item was dropped before its tick or stopped in it.
         """
-        job = _Job(item, prefill, stale, tick)
+        job = _Job(item, prefill, stale, tick, self._progress)
         self._waiting.append(job)
         if not prefill:  # a decoding session: the ones ticks gather
             self._seen[id(item.cache)] = time.perf_counter()
@@ -293,7 +306,7 @@ class TickBatcher:
 
     async def _run(self, jobs: list[_Job], own: _Job, *, inline: bool) -> None:
         """Compute a tick's ``jobs``, on this thread if ``inline``, else in a worker thread."""
-        start = time.perf_counter()
+        start = self._progress[0] = time.perf_counter()
         if inline:
             self._compute(jobs, trim=False)  # no checkpoint: nothing else runs meanwhile
             self.inline_ticks += 1

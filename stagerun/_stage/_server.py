@@ -55,6 +55,7 @@ import trio
 
 from .. import _proto, plugins
 from .._engine import Grammars, PrefixCache, SessionBudget, StageEngine, TickBatcher, model_grammars
+from .._engine._batcher import STALL_SECONDS
 from .._engine._config import DEFAULT_IDLE_TIMEOUT as DEFAULT_IDLE_TIMEOUT
 from .._engine._config import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
 from .._engine._config import DEFAULT_MAX_HANDSHAKES as DEFAULT_MAX_HANDSHAKES
@@ -238,6 +239,9 @@ class StageServer:
             task_status.started(self.address)
 
     def _check_hello(self, hello: _proto.Hello) -> str | None:
+        stalled = self.engine.batcher.stalled_for()
+        if stalled > STALL_SECONDS:  # a liveness probe must not find a hung stage alive
+            return f"stage {self.index}'s compute has shown no progress for {stalled:.0f} s"
         if hello.role == _proto.Role.RETURN and not self.is_last:
             return f"stage {self.index} is not the last stage and takes no return connections"
         if hello.role == _proto.Role.RETURN and hello.key in self._sinks:
