@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 
 import attrs
@@ -22,7 +26,7 @@ from hypothesis import strategies as st
 
 from stagerun import StageError, SupervisionPolicy
 from stagerun._driver._config import DEFAULT_FAILURE_WINDOW, DEFAULT_MAX_FAILURES
-from stagerun._driver._supervise import StageProcess, given_up
+from stagerun._driver._supervise import StageProcess, given_up, stop_processes
 from stagerun._driver._values import StageInfo
 
 ADDRESS = "tcp://127.0.0.1:9001"  # what the fake child reports; nothing connects to it
@@ -427,3 +431,24 @@ async def test_a_revival_that_fails_again_waits_longer_before_the_next(
     for i, start in enumerate(launcher.starts):
         within = [t for t in launcher.starts[i:] if t < start + DEFAULT_FAILURE_WINDOW]
         assert len(within) <= DEFAULT_MAX_FAILURES + 4
+
+
+async def test_stop_processes_kills_what_ignores_sigterm_even_for_a_cancelled_caller() -> None:
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    stubborn += "print('ready', flush=True); time.sleep(60)"
+    procs = [
+        await trio.lowlevel.open_process([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        for code in (stubborn, "print('ready', flush=True); import time; time.sleep(60)")
+    ]
+    for proc in procs:
+        assert proc.stdout is not None
+        assert (await proc.stdout.receive_some(16)).startswith(b"ready")  # handler set
+    started = time.monotonic()
+    with trio.CancelScope() as scope:
+        scope.cancel()  # a Ctrl-C'd benchmark: the servers still go
+        await stop_processes(procs, 0.5)
+    assert [p.returncode for p in procs] == [-signal.SIGKILL, -signal.SIGTERM]
+    assert 0.4 < time.monotonic() - started < 10
+    for proc in procs:
+        assert proc.stdout is not None
+        await proc.stdout.aclose()

@@ -199,6 +199,25 @@ async def watched_process(command: Sequence[str], **options: Any) -> AsyncIterat
         os.close(watch_write)
 
 
+async def stop_processes(procs: Sequence[trio.Process], grace: float) -> None:
+    """Stop ``procs`` (a server a benchmark started, say): SIGTERM to all, ``grace`` seconds
+    for them to exit, SIGKILL to the rest; returns once every one has exited. Shielded, so
+    a cancelled caller (Ctrl-C on a benchmark) still leaves none of them running."""
+    with trio.CancelScope(shield=True):
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):  # it exited in between
+                proc.terminate()
+        with trio.move_on_after(grace):
+            for proc in procs:
+                await proc.wait()
+        for proc in procs:
+            if proc.returncode is None:
+                log.warning("pid %d ignored SIGTERM for %gs; killing it", proc.pid, grace)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+
 @attrs.define(eq=False)
 class StageProcess:
     """One supervised ``stagerun stage`` child; its fields are the live state `/health` shows."""

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 
 import trio
 
+from ..._driver._supervise import stop_processes
 from ..._errors import StagerunError
 from ..._util import default_threads
 from ._servers import free_port
@@ -133,12 +134,4 @@ async def rpc_split(args: argparse.Namespace) -> AsyncIterator[list[str]]:
             ]  # fmt: skip
         finally:
             nursery.cancel_scope.cancel(reason="the RPC split is no longer measured")
-            for proc in procs:
-                proc.terminate()
-            with trio.move_on_after(5) as waiting:
-                waiting.shield = True
-                for proc in procs:
-                    await proc.wait()
-            for proc in procs:
-                if proc.returncode is None:
-                    proc.kill()
+            await stop_processes(procs, 5.0)

@@ -21,10 +21,10 @@ from typing import IO
 
 import trio
 
-from ..._driver._supervise import watched_process
+from ..._driver._supervise import stop_processes, watched_process
 from ..._errors import StagerunError
 from ._common import http_exchange
-from ._service import _stop_server
+from ._service import SERVER_GRACE_S
 
 __all__ = [
     "free_port",
@@ -101,7 +101,7 @@ async def launched(cmd: Sequence[str], port: int, what: str) -> AsyncIterator[tr
                 await _wait_healthy(proc, port, log, what)
                 yield proc
             finally:
-                await _stop_server(proc)
+                await stop_processes([proc], SERVER_GRACE_S)
 
 
 def serve_command(args: argparse.Namespace, port: int) -> list[str]:

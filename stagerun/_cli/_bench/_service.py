@@ -13,9 +13,11 @@ from typing import Any
 
 import trio
 
-from ..._driver._supervise import watched_process
+from ..._driver._supervise import stop_processes, watched_process
 from ..._proto import SamplingParams
 from ._common import bench_pipeline, http_exchange, say
+
+SERVER_GRACE_S = 30.0  # a server a benchmark started has this long to exit after SIGTERM
 
 
 async def bench_recovery(args: argparse.Namespace) -> int:
@@ -161,7 +163,7 @@ async def bench_load(args: argparse.Namespace) -> int:
             elapsed = time.perf_counter() - started
             after = process_tree_rss_mb(proc.pid)
         finally:
-            await _stop_server(proc)
+            await stop_processes([proc], SERVER_GRACE_S)
     return _report_load(args, clients.outcomes, clients.latencies, elapsed, warm, after)
 
 
@@ -178,16 +180,6 @@ async def _listening_address(proc: trio.Process) -> tuple[str, str]:
     url = line.decode().split("listening on ", 1)[1].split()[0]
     host, port = url.removeprefix("http://").rsplit(":", 1)
     return host, port
-
-
-async def _stop_server(proc: trio.Process) -> None:
-    """Terminate the server; kill it if it has not exited within 30 seconds."""
-    proc.terminate()
-    with trio.move_on_after(30):
-        await proc.wait()
-    if proc.returncode is None:
-        proc.kill()
-        await proc.wait()
 
 
 class _LoadClients:
