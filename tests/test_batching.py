@@ -537,14 +537,14 @@ class ThreadRecorder(Recorder):
 async def test_quick_ticks_of_one_small_forward_run_on_the_trio_thread() -> None:
     backend = ThreadRecorder()
     batcher = TickBatcher(backend, inline_seconds=0.05)
-    for rows in (1, 1, 8, 9):
+    for rows in (1, 1, 8, 8, 9):  # each size is measured once in a thread
         await batcher.forward(_item(rows))
     await batcher.forward(_item(1), prefill=True)
     async with trio.open_nursery() as nursery:  # two sessions in one tick
         for _ in range(2):
             nursery.start_soon(batcher.forward, _item(1))
-    # the first measures in a thread; 9 rows, a prefill chunk and two sessions are not small
-    assert backend.threads == [False, True, True, False, False, False]
+    # 9 rows, a prefill chunk and two sessions are not small
+    assert backend.threads == [False, True, False, True, False, False, False]
     assert batcher.inline_ticks == 2 and backend.calls[-1] == [1, 1]
     off = ThreadRecorder()
     unbounded = TickBatcher(off, inline_seconds=0.0)
@@ -631,13 +631,16 @@ async def test_ticks_that_turn_slow_go_back_to_a_worker_thread() -> None:
     batcher = TickBatcher(backend, inline_seconds=0.02)
     await batcher.forward(_item(1))
     await batcher.forward(_item(1))
-    backend.delay = 0.1  # the estimate moves a quarter of the way: 25 ms, over the bound
+    backend.delay = 0.1  # over the bound: the very next tick of its size goes to a thread
     await batcher.forward(_item(1))
     await batcher.forward(_item(1))
-    backend.delay = 0.0  # quick again: the estimate falls back under the bound
-    for _ in range(4):
+    assert backend.threads == [False, True, True, False]
+    await batcher.forward(_item(2))  # another size has its own estimate: measured first
+    assert backend.threads[-1] is False
+    backend.delay = 0.0  # quick again: the estimate falls back under the bound in time
+    for _ in range(12):
         await batcher.forward(_item(1))
-    assert backend.threads == [False, True, True, False, False, False, False, True]
+    assert backend.threads[5:7] == [False, False] and backend.threads[-1] is True
     with pytest.raises(ValueError, match="inline_seconds"):
         TickBatcher(backend, inline_seconds=-1.0)
 

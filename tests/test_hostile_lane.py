@@ -263,11 +263,9 @@ async def test_a_stage_whose_compute_hangs_refuses_handshakes_until_it_moves_aga
     last_stage_backend: NumpyBackend, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A compute thread stuck in its backend left the stage's loop answering handshakes, so
-    # the supervisor's liveness probe never killed it. Past STALL_SECONDS without progress
-    # the stage now refuses them (the probe's failure), and takes them again once it moves.
-    from stagerun._stage import _server
-
-    monkeypatch.setattr(_server, "STALL_SECONDS", 0.3)
+    # the supervisor's liveness probe never killed it. Past its stall timeout without
+    # progress the stage now refuses them (the probe's failure), and takes them again once
+    # it moves.
     gate = threading.Event()
     computes = last_stage_backend.forward_batch
 
@@ -276,7 +274,9 @@ async def test_a_stage_whose_compute_hangs_refuses_handshakes_until_it_moves_aga
         return computes(items)
 
     monkeypatch.setattr(last_stage_backend, "forward_batch", hanging)
-    server = StageServer(last_stage_backend, index=1, secret=None, inline_compute_ms=0.0)
+    server = StageServer(
+        last_stage_backend, index=1, secret=None, inline_compute_ms=0.0, stall_timeout=1.0
+    )
     address = await nursery.start(server.serve)
     with trio.fail_after(20):
         lane, back = await _lane(address, 1)
@@ -288,7 +288,7 @@ async def test_a_stage_whose_compute_hangs_refuses_handshakes_until_it_moves_aga
             address, role=proto.Role.LANE, connect_timeout=5, ready_timeout=5
         )
         await probe.aclose_forcefully()  # hanging, but not for long yet
-        await trio.sleep(0.5)
+        await trio.sleep(1.3)
         with pytest.raises(LaneHandshakeError, match="no progress for"):
             await open_connection(address, role=proto.Role.LANE, connect_timeout=5, ready_timeout=5)
         gate.set()

@@ -103,6 +103,11 @@ def _stage_limit_options(p: argparse.ArgumentParser) -> None:
         f"default {engine.DEFAULT_IDLE_TIMEOUT:g})",
     )  # fmt: skip
     p.add_argument(
+        "--stall-timeout", type=_seconds_or_never, default=engine.DEFAULT_STALL_TIMEOUT,
+        metavar="SECS", help="refuse handshakes (so liveness probes fail) while a compute has "
+        f"shown no progress for SECS (inf: never; default {engine.DEFAULT_STALL_TIMEOUT:g})",
+    )  # fmt: skip
+    p.add_argument(
         "--max-payload-bytes", type=_positive_int, default=None, metavar="N",
         help="the largest activation payload one upstream frame may carry (default: what the "
         "model's longest message needs, context x width in float32)",

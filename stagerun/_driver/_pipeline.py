@@ -219,7 +219,9 @@ class Pipeline:
         stalled = self.engine.batcher.stalled_for()
         if stalled > STALL_SECONDS:  # as a stage server then refuses its handshakes
             error = f"stage 0's compute has shown no progress for {stalled:.0f} s"
-            results = [StageHealth(self.stages[0], "stalled", error=error, work=work)]
+            results = [
+                StageHealth(self.stages[0], "stalled", error=error, prefix_cache=own, work=work)
+            ]
         probes: dict[str, AddressHealth] = {}
         secret = self.pool.secret if self.pool is not None else ENV_SECRET  # the lanes' own
 

@@ -12,8 +12,9 @@ tick for everybody, then wakes the others; one whose forward is done returns, an
 tick after. A tick is never abandoned half-way: the thread finishes, and its results are
 delivered, even if the task running it is cancelled meanwhile (that task then raises).
 
-A tick of one session's decode step or verify window, when such ticks have lately taken at most
-``inline_seconds``, runs on the Trio thread itself once every other ready task has run (so a
+A tick of one session's decode step or verify window, when the computes of its size have lately
+taken at most ``inline_seconds`` (the latest one too), runs on the Trio thread itself once every
+other ready task has run (so a
 token on its way to a client is written first): the loop is held that long, and the two
 hand-offs of a worker thread (about 0.3 ms on a 2-core VM, paid at every stage for every token
 of a lone stream) are saved. A tick of several sessions or of a prefill chunk always runs in a
@@ -36,7 +37,7 @@ from typing import Any
 import attrs
 import numpy as np
 import trio
-import trio.testing
+import trio.testing  # wait_all_tasks_blocked: the one public way to wait for an idle loop
 
 from .._decide._ticks import DEFAULT_TICK_ROWS, Waiting, choose_tick
 from .._errors import ComputeCancelled
@@ -54,7 +55,7 @@ TRIM_SECONDS = 2.0  # a tick's thread gives freed heap memory back at most this 
 IDLE_TRIM_SECONDS = 0.5  # after a session ends, this long without a tick: freed memory back
 INLINE_SECONDS = 0.01  # the default bound on a tick run on the Trio thread (`TickBatcher`)
 INLINE_ROWS = 8  # rows of the one forward of a tick that may run there, at most
-INLINE_SETTLE_SECONDS = 0.002  # how long the loop may take to run its other ready tasks first
+INLINE_SETTLE_SECONDS = 0.001  # how long the loop may take to run its other ready tasks first
 STALL_SECONDS = 60.0  # a tick showing no progress this long has stalled (`stalled_for`)
 
 
@@ -120,10 +121,12 @@ class TickBatcher:
             the pipeline together, so every stage computes them in one tick; without it,
             closed-loop requests drift apart and most ticks compute one or two of them.
         inline_seconds: a tick of one forward (a decode step or verify window of at most
-            `INLINE_ROWS` rows, no prefill) runs on the Trio thread when the running estimate
-            of such ticks' time is at most this; the first runs in a worker thread to measure.
-            0 turns it off. The loop serves nothing else meanwhile, so this is how long the
-            batcher may hold it.
+            `INLINE_ROWS` rows, no prefill) runs on the Trio thread when the computes of that
+            many rows have taken at most this, in a running estimate and the latest one; the
+            first of each size runs in a worker thread to measure. 0 turns it off. The loop
+            serves nothing else meanwhile, so this is about how long the batcher may hold it
+            (a compute that hangs there holds it for good: a stage then fails its liveness
+            probes by timing out).
     """
 
     def __init__(
@@ -149,7 +152,9 @@ class TickBatcher:
         self.gather = gather
         self.inline_seconds = inline_seconds
         self.inline_ticks = 0  # ticks run on the Trio thread
-        self._small_tick: float | None = None  # running estimate of a one-forward tick's time
+        # rows -> (running estimate, latest) of a one-forward tick's compute, in seconds
+        self._small_ticks: dict[int, tuple[float, float]] = {}
+        self._computed = 0.0  # the latest tick's compute alone (no hand-off, no trim)
         self.gathered_seconds = 0.0  # time ticks waited for more work
         self._seen: dict[int, float] = {}  # session (cache id) -> when it last asked
         self._arrived = trio.Event()
@@ -162,7 +167,7 @@ class TickBatcher:
         self.ticks = 0
         self.items = 0  # forwards computed (a stale one dropped before its tick is not)
         self.rows = 0
-        self.busy_seconds = 0.0  # time in ticks' threads
+        self.busy_seconds = 0.0  # time in ticks (hand-offs to and from their threads included)
         self.batch_sizes: collections.Counter[int] = collections.Counter()  # items per tick
         self.started = time.perf_counter()
         self._recent: collections.deque[tuple[float, float]] = collections.deque()  # (end, s)
@@ -286,14 +291,12 @@ class TickBatcher:
 
     def _quick(self, jobs: list[_Job]) -> bool:
         """Whether ``jobs`` would be a tick to run inline: one small forward, no prefill,
-        while such ticks have lately taken at most ``inline_seconds``."""
-        estimate = self._small_tick
-        return (
-            len(jobs) == 1
-            and _small(jobs[0])
-            and estimate is not None
-            and estimate <= self.inline_seconds
-        )
+        whose size's computes have lately taken at most ``inline_seconds``, the latest too
+        (an estimate per row count: a step of 1 row and a window of 8 differ)."""
+        if len(jobs) != 1 or not _small(jobs[0]):
+            return False
+        seen = self._small_ticks.get(jobs[0].item.rows)
+        return seen is not None and max(seen) <= self.inline_seconds
 
     async def _settle(self) -> bool:
         """Let every other ready task run first: a token on its way to a client (stage 0's
@@ -312,11 +315,11 @@ class TickBatcher:
             self.inline_ticks += 1
         else:
             await self._in_thread(jobs, own)
-        end = time.perf_counter()
-        self._count(jobs, start, end)
-        if len(jobs) == 1 and _small(jobs[0]):  # the running estimate `_quick` reads
-            took, estimate = end - start, self._small_tick
-            self._small_tick = took if estimate is None else estimate + (took - estimate) / 4
+        self._count(jobs, start, time.perf_counter())
+        if len(jobs) == 1 and _small(jobs[0]):  # what `_quick` reads: the compute alone
+            rows, took = jobs[0].item.rows, self._computed
+            estimate = self._small_ticks.get(rows, (took, took))[0]
+            self._small_ticks[rows] = (estimate + (took - estimate) / 4, took)
 
     async def _in_thread(self, jobs: list[_Job], own: _Job) -> None:
         """Compute ``jobs`` in a worker thread, which a cancelled caller does not wait out.
@@ -395,6 +398,7 @@ class TickBatcher:
         """One tick, in the worker thread (or inline): every job gets its outcome; ``trim``:
         give freed heap back if the last trim is `TRIM_SECONDS` old (never on the loop)."""
         items = [job.item for job in jobs]
+        started = time.perf_counter()
         try:
             with np.errstate(all="ignore"):  # what is not finite is refused by the caller
                 try:
@@ -405,6 +409,7 @@ class TickBatcher:
                     outcomes = [_alone(self.backend, item) for item in items]
         except Exception as exc:
             outcomes = [exc]
+        self._computed = time.perf_counter() - started
         for job, outcome in zip(jobs, outcomes, strict=True):
             job.outcome = outcome
         if trim and time.perf_counter() - self._trimmed > TRIM_SECONDS:

@@ -35,13 +35,14 @@ from .._wire._address import format_address
 from .._wire._auth import MIN_SECRET_BYTES, SECRET_FILE_ENV, lane_secret
 from .._wire._connect import ENV_SECRET, EnvSecret, alternatives, stage_reply_timeout
 from .._wire._framed import DEFAULT_HANDSHAKE_TIMEOUT, LinkEmulation
-from ._batcher import INLINE_SECONDS
+from ._batcher import INLINE_SECONDS, STALL_SECONDS
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:0"
 DEFAULT_MAX_SESSIONS = 64  # 4x the server's default --max-batch: a lane per request, and spares
 DEFAULT_MAX_KV_TOKENS = 131_072  # 16 requests (the default --max-batch) at 8192 positions each
 DEFAULT_PREFIX_CACHE_MB = 512  # per stage process; running requests win over it anyway
 DEFAULT_INLINE_COMPUTE_MS = INLINE_SECONDS * 1e3  # a quick tick of one forward, on the loop
+DEFAULT_STALL_TIMEOUT = STALL_SECONDS  # a compute showing no progress this long has hung
 # What peers may hold of one stage (see "Connection limits" in `stagerun._stage._server`).
 DEFAULT_MAX_CONNECTIONS = 1024  # far above an honest pipeline's lanes, standbys and probes
 DEFAULT_MAX_HANDSHAKES = 64  # honest peers take a round trip or two; pools connect one by one
@@ -172,6 +173,7 @@ _CHECKS: dict[str, tuple[str, Callable[[object], bool]]] = {
     "max_connections": ("at least 1", _at_least(1)),
     "max_handshakes": ("at least 1", _at_least(1)),
     "idle_timeout": (f"{SECONDS} (inf: never)", lambda v: _seconds(v, inf=True)),
+    "stall_timeout": (f"{SECONDS} (inf: never)", lambda v: _seconds(v, inf=True)),
     "max_payload_bytes": ("at least 1", _at_least(1)),
     "max_partial_bytes": ("None or at least 1", _optional(_at_least(1))),
     "insecure": ("True or False", lambda v: isinstance(v, bool)),
@@ -216,6 +218,10 @@ class StageConfig:
             open-file limit leaves room for); one more closes the one quiet longest.
         max_handshakes: connections in their handshake at once, at most; one more closes the
             oldest of them.
+        stall_timeout: seconds a tick's compute may show no progress (since it began, or
+            since the backend last reached a layer boundary) before the stage takes it to
+            hang and refuses handshakes, so that its supervisor's liveness probe fails
+            (``math.inf``: never).
         idle_timeout: seconds a connection may carry no byte either way before the stage
             closes it (``math.inf``: never).
         max_payload_bytes: the largest activation payload one frame from an upstream lane may
@@ -255,6 +261,7 @@ class StageConfig:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_handshakes: int = DEFAULT_MAX_HANDSHAKES
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
     max_payload_bytes: int = _proto.DEFAULT_MAX_PAYLOAD_BYTES
     max_partial_bytes: int | None = None
     insecure: bool = False
@@ -385,6 +392,7 @@ class StageConfig:
             max_connections=args.max_connections,
             max_handshakes=args.max_handshakes,
             idle_timeout=args.idle_timeout,
+            stall_timeout=args.stall_timeout,
             max_payload_bytes=args.max_payload_bytes or _proto.DEFAULT_MAX_PAYLOAD_BYTES,
             max_partial_bytes=args.max_partial_bytes,
             insecure=args.insecure,
@@ -453,6 +461,7 @@ def to_argv(config: StageConfig, *, listen: bool = True) -> list[str]:
         "--max-connections", str(config.max_connections),
         "--max-handshakes", str(config.max_handshakes),
         "--idle-timeout", repr(config.idle_timeout),
+        "--stall-timeout", repr(config.stall_timeout),
         "--max-payload-bytes", str(config.max_payload_bytes),
         "--reply-timeout", repr(config.reply_timeout),
         "--downstream-connect-timeout", repr(config.downstream_connect_timeout),

@@ -55,7 +55,6 @@ import trio
 
 from .. import _proto, plugins
 from .._engine import Grammars, PrefixCache, SessionBudget, StageEngine, TickBatcher, model_grammars
-from .._engine._batcher import STALL_SECONDS
 from .._engine._config import DEFAULT_IDLE_TIMEOUT as DEFAULT_IDLE_TIMEOUT
 from .._engine._config import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
 from .._engine._config import DEFAULT_MAX_HANDSHAKES as DEFAULT_MAX_HANDSHAKES
@@ -133,6 +132,7 @@ class StageServer:
             grammars=grammars if grammars is not None else model_grammars(backend),
         )
         self.refused = 0  # connections turned down in the handshake
+        self._stall_logged = False  # the current stall (`_check_hello`) was logged
         self.protocol_errors = 0  # lanes closed for a malformed frame
         self.max_connections = config.max_connections  # as asked; `connection_limit` holds
         self.idle_timeout = config.idle_timeout
@@ -240,8 +240,13 @@ class StageServer:
 
     def _check_hello(self, hello: _proto.Hello) -> str | None:
         stalled = self.engine.batcher.stalled_for()
-        if stalled > STALL_SECONDS:  # a liveness probe must not find a hung stage alive
+        if stalled > self.config.stall_timeout:  # a liveness probe must not find it alive
+            if not self._stall_logged:
+                log.warning("stage %d: compute shows no progress for %.0f s; refusing "
+                            "handshakes until it does", self.index, stalled)  # fmt: skip
+                self._stall_logged = True
             return f"stage {self.index}'s compute has shown no progress for {stalled:.0f} s"
+        self._stall_logged = False
         if hello.role == _proto.Role.RETURN and not self.is_last:
             return f"stage {self.index} is not the last stage and takes no return connections"
         if hello.role == _proto.Role.RETURN and hello.key in self._sinks:
