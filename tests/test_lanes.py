@@ -202,3 +202,32 @@ async def test_lane_ids_never_repeat(nursery: trio.Nursery) -> None:
         assert seen == [1, 1, 2, 2, 3, 3]
         assert pool.replaced == 3
         assert repr(pool).endswith("next_id=5>")
+
+
+async def test_frames_sent_at_once_arrive_whole_and_a_cancelled_send_breaks_nothing() -> None:
+    # The send lock is taken without a scheduler trip when free; frames of tasks sending at
+    # once must still go out one after the other (the pipe below delivers 1 kB at a time, so
+    # every send_all blocks mid-frame), and a send cancelled before it starts breaks nothing.
+    import numpy as np
+    import trio.testing
+
+    left, right = trio.testing.lockstep_stream_pair()
+    sender, receiver = FrameStream(left, peer="a"), FrameStream(right, peer="b")
+    rows = {k: np.full((1, 16384), k, np.float32) for k in range(6)}  # 64 kB a frame
+
+    async def send(k: int) -> None:
+        await sender.send(_proto.Decode(request_id=k + 1, position=0, tokens=(1,)), rows[k])
+
+    got: dict[int, float] = {}
+    async with trio.open_nursery() as nursery:
+        for k in rows:
+            nursery.start_soon(send, k)
+        for _ in rows:
+            frame = await receiver.receive(timeout=10)
+            assert frame.activations is not None
+            got[frame.message.request_id - 1] = float(frame.activations.mean())
+    assert got == {k: float(k) for k in rows}
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await send(0)
+    assert not sender.broken

@@ -153,7 +153,12 @@ class FrameStream:
     async def send_bytes(self, data: bytes, *, timeout: float = math.inf) -> None:
         """Write one already-encoded frame (forwarding reuses encoded frames)."""
         self._check_usable()
-        async with self._send_lock:
+        await trio.lowlevel.checkpoint_if_cancelled()  # cancelled: raise before any byte goes
+        try:  # uncontended, the lock is taken without a trip through the scheduler
+            self._send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self._send_lock.acquire()
+        try:
             finished = False
             try:
                 with trio.fail_after(timeout):
@@ -171,6 +176,8 @@ class FrameStream:
                 if not finished and self._broken is None:
                     # Cancelled half-way: the peer may hold a torn frame.
                     self._broken = "write cancelled mid-frame"
+        finally:
+            self._send_lock.release()
 
     async def receive(self, *, timeout: float = math.inf) -> _proto.Frame:
         """Read the next whole frame.
