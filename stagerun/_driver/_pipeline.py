@@ -216,9 +216,9 @@ class Pipeline:
         own = status.prefix if self.prefix_cache is not None else None
         work = StageWork.from_status(status)
         results = [StageHealth(self.stages[0], "ready", prefix_cache=own, work=work)]
-        stalled = self.engine.batcher.stalled_for()
-        if stalled > STALL_SECONDS:  # as a stage server then refuses its handshakes
-            error = f"stage 0's compute has shown no progress for {stalled:.0f} s"
+        stall = self.engine.batcher.stall(STALL_SECONDS)
+        if stall is not None:  # as a stage server then refuses its handshakes
+            error = f"stage 0's {stall}"
             results = [
                 StageHealth(self.stages[0], "stalled", error=error, prefix_cache=own, work=work)
             ]

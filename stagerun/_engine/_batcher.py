@@ -14,11 +14,11 @@ delivered, even if the task running it is cancelled meanwhile (that task then ra
 
 A tick of one session's decode step or verify window, when the computes of its size have lately
 taken at most ``inline_seconds`` (the latest one too), runs on the Trio thread itself once every
-other ready task has run (so a
-token on its way to a client is written first): the loop is held that long, and the two
-hand-offs of a worker thread (about 0.3 ms on a 2-core VM, paid at every stage for every token
-of a lone stream) are saved. A tick of several sessions or of a prefill chunk always runs in a
-worker thread, where the loop goes on reading and sending for the others meanwhile.
+other ready task has run (so a token on its way to a client is written first): the loop is held
+that long, and the two hand-offs of a worker thread (about 0.3 ms on a 2-core VM, paid at every
+stage for every token of a lone stream) are saved. A tick of several sessions or of a prefill
+chunk always runs in a worker thread, where the loop goes on reading and sending for the others
+meanwhile.
 
 A verify window named by a ``Cancel`` before its tick starts is dropped unseen; one cancelled
 during its tick stops at the next layer boundary (its ``should_stop``) while the rest of the
@@ -203,6 +203,13 @@ class TickBatcher:
         if not self._computing:
             return 0.0
         return max(0.0, (time.perf_counter() if now is None else now) - self._progress[0])
+
+    def stall(self, timeout: float) -> str | None:
+        """Why the compute counts as hung (`stalled_for` past ``timeout``), or None."""
+        stalled = self.stalled_for()
+        if stalled > timeout:
+            return f"compute has shown no progress for {stalled:.0f} s"
+        return None
 
     async def forward(
         self,

@@ -239,14 +239,13 @@ class StageServer:
             task_status.started(self.address)
 
     def _check_hello(self, hello: _proto.Hello) -> str | None:
-        stalled = self.engine.batcher.stalled_for()
-        if stalled > self.config.stall_timeout:  # a liveness probe must not find it alive
+        stall = self.engine.batcher.stall(self.config.stall_timeout)
+        self._stall_logged = self._stall_logged and stall is not None
+        if stall is not None:  # a liveness probe must not find it alive
             if not self._stall_logged:
-                log.warning("stage %d: compute shows no progress for %.0f s; refusing "
-                            "handshakes until it does", self.index, stalled)  # fmt: skip
+                log.warning("stage %d: %s; refusing handshakes until it moves", self.index, stall)
                 self._stall_logged = True
-            return f"stage {self.index}'s compute has shown no progress for {stalled:.0f} s"
-        self._stall_logged = False
+            return f"stage {self.index}'s {stall}"
         if hello.role == _proto.Role.RETURN and not self.is_last:
             return f"stage {self.index} is not the last stage and takes no return connections"
         if hello.role == _proto.Role.RETURN and hello.key in self._sinks:
