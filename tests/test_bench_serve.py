@@ -1,7 +1,8 @@
 """``stagerun bench serve``: closed-loop streaming clients against a real ``stagerun serve``.
 
 The end-to-end tests run the tiny random model (seconds); the real default model's curve is
-``stagerun bench serve`` itself. The llama-server comparison runs only where its binary is.
+``stagerun bench serve`` itself. The comparisons with llama-server and llama.cpp's RPC split
+run the binaries ``make test`` builds (marked ``llama_cpp``: conftest.py).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_bench_serve_reports_a_curve_with_no_mismatches(
     assert all(row["mismatches"] == 0 for row in report["stagerun"]["levels"])
 
 
-@pytest.mark.skipif(not LLAMA_SERVER.is_file(), reason="no llama-server in .cache/llama.cpp")
+@pytest.mark.llama_cpp
 def test_bench_serve_runs_the_same_load_against_llama_server(
     tiny_model_path: pathlib.Path, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
 ) -> None:
@@ -277,6 +278,7 @@ def test_level_report_counts_outputs_that_differ_from_the_solo_run() -> None:
     assert row["ttft_p50_ms"] == pytest.approx(200.0) and row["itl_p99_ms"] == pytest.approx(69.8)
 
 
+@pytest.mark.llama_cpp
 def test_bench_serve_runs_the_same_load_against_llama_cpp_s_rpc_split(
     tiny_model_path: pathlib.Path, capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path
 ) -> None:

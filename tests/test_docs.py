@@ -224,7 +224,17 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log.close()
 
 
-@pytest.mark.parametrize("snippet", PYTHON, ids=[s.id for s in PYTHON])
+# What names llama.cpp's build (the llamacpp backend, llama-server, the RPC comparison) needs
+# it: such a snippet is marked ``llama_cpp`` and runs after the build (conftest.py).
+_LLAMA_CPP = re.compile(r"llama[-_.]?cpp|llama-server|compare-rpc")
+
+
+def _marked(snippet: Snippet, code: str) -> object:
+    marks = [pytest.mark.llama_cpp] if _LLAMA_CPP.search(code) else []
+    return pytest.param(snippet, id=snippet.id, marks=marks)
+
+
+@pytest.mark.parametrize("snippet", [_marked(s, s.code) for s in PYTHON])
 def test_python_snippet_runs(
     snippet: Snippet,
     tiny_path: pathlib.Path,
@@ -287,7 +297,11 @@ def test_every_documented_stagerun_command_parses(
 RUNNABLE = [s for s in SHELL if any(not_run(c) is None for c in shell_commands(s))]
 
 
-@pytest.mark.parametrize("snippet", RUNNABLE, ids=[s.id for s in RUNNABLE])
+def _run_text(snippet: Snippet) -> str:
+    return "\n".join(c.script for c in shell_commands(snippet) if not_run(c) is None)
+
+
+@pytest.mark.parametrize("snippet", [_marked(s, _run_text(s)) for s in RUNNABLE])
 def test_shell_snippet_runs(
     snippet: Snippet,
     session_models: tuple[pathlib.Path, pathlib.Path],

@@ -206,6 +206,7 @@ async def test_a_split_across_stages_gives_one_stage_s_tokens(family_model: Any)
     assert outputs[1] == outputs[0], family
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("case", [c for c in CASES if c not in LLAMA_CPP_DIFFERS])
 def test_llama_cpp_runs_each_family_split_in_three(case: str, tmp_path: pathlib.Path) -> None:
     """gemma3: the slices hold local layers only, then the global one alone."""

@@ -143,6 +143,7 @@ def test_paris_is_the_capital_of_france(backend: NumpyBackend, gemma: ModelFile)
     assert gemma.tokenizer.decode(ours[:3]).strip().startswith("France")
 
 
+@pytest.mark.llama_cpp
 def test_greedy_tokens_match_llama_cpp(backend: NumpyBackend, gemma: ModelFile) -> None:
     from stagerun_llamacpp import LlamaCppBackend
 

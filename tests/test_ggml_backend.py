@@ -335,6 +335,7 @@ PROMPTS = [
 
 
 @pytest.mark.slow
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
 def test_greedy_tokens_equal_llama_cpp_s_up_to_near_ties_on_the_real_models(name: str) -> None:
     """llama.cpp (built here with AVX-512) sums some products in another order than this

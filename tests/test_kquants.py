@@ -58,6 +58,7 @@ def _ggml_traits(kind: str) -> _TypeTraits:
     return traits
 
 
+@pytest.mark.llama_cpp
 @pytest.mark.parametrize("kind", K_QUANTS)
 def test_our_blocks_are_ggml_s_layout(kind: str) -> None:
     traits, qtype = _ggml_traits(kind), gguf.GGMLQuantizationType[kind]
@@ -105,6 +106,7 @@ def kquant_model(
     )
 
 
+@pytest.mark.llama_cpp
 def test_numpy_torch_and_llama_cpp_agree_on_a_k_quant_file(kquant_model: pathlib.Path) -> None:
     from stagerun_llamacpp import LlamaCppBackend
     from stagerun_torch import TorchBackend, TorchInt4Backend
@@ -130,6 +132,7 @@ def test_numpy_torch_and_llama_cpp_agree_on_a_k_quant_file(kquant_model: pathlib
         TorchInt4Backend(model, device="cpu")
 
 
+@pytest.mark.llama_cpp
 def test_a_k_quant_file_read_wrong_is_far_from_llama_cpp(tmp_path: pathlib.Path) -> None:
     """The oracle can fail: Q5_K blocks read with Q4_K's layout give other logits."""
     from stagerun_llamacpp import LlamaCppBackend

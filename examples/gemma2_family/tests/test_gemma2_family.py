@@ -96,6 +96,7 @@ def test_a_file_without_a_template_gets_gemma_s(tiny: pathlib.Path) -> None:
     assert text.endswith("<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n")
 
 
+@pytest.mark.llama_cpp
 def test_torch_and_llama_cpp_run_it_too(tiny: pathlib.Path) -> None:
     """The backends run the plugin's traits; llama.cpp split in three (its own Gemma 2)."""
     import gc

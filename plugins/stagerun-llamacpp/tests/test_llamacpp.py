@@ -6,13 +6,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from stagerun_llamacpp import LlamaCppBackend, slice_model
+import stagerun_llamacpp
+from stagerun_llamacpp import slice_model
 
 from stagerun import ComputeCancelled, open_pipeline, plugins
 from stagerun.abc import ForwardItem
 from stagerun.backends import NumpyBackend
 from stagerun.model import ModelFile, open_model
 from stagerun.testing import check_backend, write_tiny_model
+
+pytestmark = pytest.mark.llama_cpp
 
 PROMPTS = [
     "The capital of France is",
@@ -39,7 +42,7 @@ def slice_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
 
 def test_registered() -> None:
     plugins.refresh()
-    assert plugins.backend("llamacpp") is LlamaCppBackend
+    assert plugins.backend("llamacpp") is stagerun_llamacpp.LlamaCppBackend
 
 
 def test_a_slice_holds_only_its_blocks_and_is_cached(tiny: ModelFile, tmp_path: Path) -> None:
@@ -59,7 +62,9 @@ def test_a_slice_holds_only_its_blocks_and_is_cached(tiny: ModelFile, tmp_path: 
 def test_passes_the_backend_conformance_suite(tiny: ModelFile) -> None:
     """One seat a context (the default): every item of a batch is its own decode, bitwise."""
     check_backend(
-        lambda model, layers, threads=None: LlamaCppBackend(model, layers, threads=1),
+        lambda model, layers, threads=None: stagerun_llamacpp.LlamaCppBackend(
+            model, layers, threads=1
+        ),
         tiny,
         tolerance=1e-3,
     )
@@ -68,7 +73,9 @@ def test_passes_the_backend_conformance_suite(tiny: ModelFile) -> None:
 def test_shared_contexts_pass_the_conformance_suite_within_a_tolerance(tiny: ModelFile) -> None:
     """Four seats: sessions batch in one llama_decode. Measured: up to 1.2e-4 from alone."""
     check_backend(
-        lambda model, layers, threads=None: LlamaCppBackend(model, layers, threads=1, seats=4),
+        lambda model, layers, threads=None: stagerun_llamacpp.LlamaCppBackend(
+            model, layers, threads=1, seats=4
+        ),
         tiny,
         tolerance=1e-3,
         batch_tolerance=1e-3,
@@ -76,7 +83,7 @@ def test_shared_contexts_pass_the_conformance_suite_within_a_tolerance(tiny: Mod
 
 
 def test_sessions_take_seats_and_give_them_back(tiny: ModelFile) -> None:
-    backend = LlamaCppBackend(tiny, threads=1, seats=2)
+    backend = stagerun_llamacpp.LlamaCppBackend(tiny, threads=1, seats=2)
     a, b, c = (backend.new_cache() for _ in range(3))
     assert [a.seq, b.seq, c.seq] == [0, 1, 0] and a.context is b.context
     assert c.context is not a.context  # the first context was full
@@ -88,18 +95,18 @@ def test_sessions_take_seats_and_give_them_back(tiny: ModelFile) -> None:
     again = backend.new_cache()
     assert (again.context, again.seq, again.length) == (a.context, seat, 0)
     # the seat's positions were forgotten: its sequence starts again at position 0
-    fresh = LlamaCppBackend(tiny, threads=1, seats=2)
+    fresh = stagerun_llamacpp.LlamaCppBackend(tiny, threads=1, seats=2)
     want = fresh.forward(fresh.new_cache(), 0, tokens=[7, 8])
     got = backend.forward(again, 0, tokens=[7, 8])
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
     del c  # the second context is idle now: closed, the first stays
     assert backend._contexts == [a.context]
     with pytest.raises(ValueError, match="seats must lie in"):
-        LlamaCppBackend(tiny, seats=0)
+        stagerun_llamacpp.LlamaCppBackend(tiny, seats=0)
 
 
 def test_a_stop_cancels_one_item_of_a_shared_decode(tiny: ModelFile) -> None:
-    backend = LlamaCppBackend(tiny, threads=1, seats=4)
+    backend = stagerun_llamacpp.LlamaCppBackend(tiny, threads=1, seats=4)
     caches = [backend.new_cache() for _ in range(3)]
     for cache in caches:
         backend.forward(cache, 0, tokens=[1, 2, 3, 4])
@@ -127,7 +134,7 @@ def test_a_prefill_longer_than_a_ubatch_gives_every_hidden_row(tmp_path: Path) -
     """llama.cpp runs 512 rows a ubatch: the hidden states of each are collected in order."""
     model = open_model(write_tiny_model(tmp_path / "long.gguf", context_length=2048))
     ids = [int(t) for t in np.random.default_rng(0).integers(0, model.config.vocab_size, 700)]
-    first = LlamaCppBackend(model, (0, 2), threads=1)
+    first = stagerun_llamacpp.LlamaCppBackend(model, (0, 2), threads=1)
     got = first.forward(first.new_cache(), 0, tokens=ids)
     reference = NumpyBackend(model, (0, 2))
     want = reference.forward(reference.new_cache(), 0, tokens=ids)
@@ -138,7 +145,7 @@ def test_a_prefill_longer_than_a_ubatch_gives_every_hidden_row(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_logits_agree_with_numpy_on_the_default_model(smollm2: ModelFile) -> None:
-    llama = LlamaCppBackend(smollm2, threads=2)
+    llama = stagerun_llamacpp.LlamaCppBackend(smollm2, threads=2)
     reference = NumpyBackend(smollm2)
     got_all, want_all, per_position = [], [], []
     for prompt in PROMPTS:
@@ -166,7 +173,9 @@ def test_shared_decodes_agree_with_decodes_alone_on_the_default_model(smollm2: M
     at 125 of 128 steps, the others near-ties (runner-up within 0.3 of the top, of ~30).
     """
     ids = [smollm2.tokenizer.encode(p) for p in PROMPTS]
-    alone, shared = (LlamaCppBackend(smollm2, threads=2, seats=4) for _ in range(2))
+    alone, shared = (
+        stagerun_llamacpp.LlamaCppBackend(smollm2, threads=2, seats=4) for _ in range(2)
+    )
     solo_caches = [alone.new_cache() for _ in ids]
     out = [alone.forward(c, 0, tokens=t) for c, t in zip(solo_caches, ids, strict=True)]
     caches = [shared.new_cache() for _ in ids]
@@ -194,8 +203,8 @@ def test_shared_decodes_agree_with_decodes_alone_on_the_default_model(smollm2: M
 @pytest.mark.slow
 def test_split_stages_agree_with_numpy(smollm2: ModelFile) -> None:
     ids = smollm2.tokenizer.encode(PROMPTS[0])
-    first = LlamaCppBackend(smollm2, (0, 20), threads=2)
-    last = LlamaCppBackend(smollm2, (20, 30), threads=2)
+    first = stagerun_llamacpp.LlamaCppBackend(smollm2, (0, 20), threads=2)
+    last = stagerun_llamacpp.LlamaCppBackend(smollm2, (20, 30), threads=2)
     hidden = first.forward(first.new_cache(), 0, tokens=ids)
     reference = NumpyBackend(smollm2, (0, 20)).forward(
         NumpyBackend(smollm2, (0, 20)).new_cache(), 0, tokens=ids
@@ -214,9 +223,12 @@ def test_stages_before_the_last_keep_no_head_and_compute_the_same(smollm2: Model
     import llama_cpp
 
     ids = smollm2.tokenizer.encode(PROMPTS[2])
-    whole = LlamaCppBackend(smollm2, threads=2)
+    whole = stagerun_llamacpp.LlamaCppBackend(smollm2, threads=2)
     want = whole.forward(whole.new_cache(), 0, tokens=ids, logits="all")
-    stages = [LlamaCppBackend(smollm2, r, threads=2) for r in ((0, 10), (10, 20), (20, 30))]
+    stages = [
+        stagerun_llamacpp.LlamaCppBackend(smollm2, r, threads=2)
+        for r in ((0, 10), (10, 20), (20, 30))
+    ]
     vocabularies = [
         llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(s._model)) for s in stages
     ]

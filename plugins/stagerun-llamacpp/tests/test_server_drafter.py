@@ -86,6 +86,7 @@ def test_a_dead_server_proposes_nothing() -> None:
     assert drafter.failures == 1 and drafter.last_error
 
 
+@pytest.mark.llama_cpp
 def test_proposals_continue_the_context(llama_server: str) -> None:
     drafter = LlamaServerDrafter(llama_server)
     context = [1, 504, 3458, 282]  # any ids of the shared vocabulary
@@ -95,6 +96,7 @@ def test_proposals_continue_the_context(llama_server: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.llama_cpp
 async def test_speculation_with_llama_server_equals_plain_decoding(llama_server: str) -> None:
     async with open_pipeline("smollm2", stages=3) as pipeline:
         plain = await pipeline.complete(PROMPT, chat=True, max_tokens=48)
