@@ -47,12 +47,18 @@ chromium:
 	apt-get install -y -q chromium >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null)
 
+# The editable sources' bytecode, written ahead: an environment with PYTHONDONTWRITEBYTECODE
+# set (these machines, CI) would otherwise compile them in every process it starts, 0.2 s of
+# each stage's start. Only what changed since the last run is compiled again.
+BYTECODE = @$(PY) -m compileall -q stagerun $(PLUGINS) >/dev/null
+
 # Create or update .venv with everything (runtime, default model, test and reference deps).
 install: $(TEST_STAMP) $(LLAMA_STAMP)
 
 # The main job: serve the default model split across 3 stages (one process each) on an
 # OpenAI-compatible API at http://127.0.0.1:8000 (docs/api.md); Ctrl-C stops everything.
 run: $(STAMP)
+	$(BYTECODE)
 	$(VENV)/bin/stagerun serve --stages 3 --model smollm2
 
 # The whole test suite. Where llama.cpp is not built yet, its build runs beside the tests at
@@ -60,6 +66,7 @@ run: $(STAMP)
 # run last: on 2 cores that hides most of the build's 7 minutes in the tests' idle time.
 test: $(TEST_STAMP)
 	command -v chromium >/dev/null || $(MAKE) chromium
+	$(BYTECODE)
 	@if $(MAKE) -q $(LLAMA_STAMP); then $(PY) -m pytest -q; else \
 		mkdir -p .cache/llama.cpp && rm -f $(LLAMA_STATUS) && \
 		echo "building llama.cpp beside the tests (log: $(LLAMA_STATUS:.status=.log)); the tests that need it run last" && \
