@@ -87,7 +87,10 @@ def test_16_clients_every_request_completes_or_gets_429(tmp_path: pathlib.Path) 
         )
         assert sum(outcomes.values()) == REQUESTS  # none lost
         assert set(outcomes) <= {"ok", "429"}, outcomes
-        assert outcomes["ok"] >= CLIENTS // 2 and outcomes["429"] > 0  # both paths ran
+        # Both paths ran. How the requests split between them depends on the machine's speed
+        # (each turned-away client moves on to its next request after 0.1 s): on two cores
+        # beside one busy process, 6 of 64 completed (the 6 admitted first), 12 on idle ones.
+        assert outcomes["ok"] >= 1 and outcomes["429"] > 0
         assert after - warm < 64, f"memory grew from {warm:.0f} to {after:.0f} MiB"
         health = live.health().json()
         assert health["status"] == "ok" and health["requests"]["running"] == 0
