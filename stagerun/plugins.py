@@ -185,9 +185,10 @@ def _discover() -> dict[Kind, dict[str, PluginInfo]]:
     spec = os.environ.get(ENV, "").strip()
     allow = Allowlist.parse(spec) if spec else None
     registry: dict[Kind, dict[str, PluginInfo]] = {}
+    every = importlib.metadata.entry_points()  # one scan of the installed metadata, not one a group
     for kind, group in GROUPS.items():
         found: dict[str, list[PluginInfo]] = {}
-        for ep in importlib.metadata.entry_points(group=group):
+        for ep in every.select(group=group):
             dist = ep.dist
             where = f"{dist.name} {dist.version}" if dist is not None else "an unknown distribution"
             info = PluginInfo(kind, ep.name, ep.value, where, entry_point=ep)
