@@ -61,14 +61,14 @@ run: $(STAMP)
 	$(BYTECODE)
 	$(VENV)/bin/stagerun serve --stages 3 --model smollm2
 
+# The lowest CPU priority there is: SCHED_IDLE where chrt is, else nice 19.
+IDLE = $$(command -v chrt >/dev/null && echo chrt -i 0 || echo nice -n 19)
+
 # The whole test suite. Where llama.cpp is not built yet, its build runs beside the tests, one
 # compile at a time at the lowest CPU priority (log: .cache/llama.cpp/background.log), and the
 # tests that need it run last: the suite keeps about one core busy, and the build takes the
 # other (on 2 cores: 22.4 minutes for a clean clone's make test, against 31 building first;
 # docs/benchmarks.md, "make test on a clean clone").
-# The lowest CPU priority there is: SCHED_IDLE where chrt is, else nice 19.
-IDLE = $$(command -v chrt >/dev/null && echo chrt -i 0 || echo nice -n 19)
-
 test: $(TEST_STAMP)
 	command -v chromium >/dev/null || $(MAKE) chromium
 	$(BYTECODE)

@@ -55,12 +55,14 @@ def _wait_for_build(config: pytest.Config) -> str:
         status_path = pathlib.Path(status_file)
         log = f"; its log: {status_path.with_suffix('.log')}"
         started = time.monotonic()
+        next_note = started
         while not status_path.exists():
-            waited = time.monotonic() - started
-            if waited > BUILD_WAIT_S:
+            now = time.monotonic()
+            if now - started > BUILD_WAIT_S:
                 return f"llama.cpp's build did not end in {BUILD_WAIT_S} s{log}"
-            if waited // NOTE_EVERY_S != (waited - 1) // NOTE_EVERY_S:
-                _note(config, f"waiting for llama.cpp's build ({waited:.0f} s){log}")
+            if now >= next_note:
+                _note(config, f"waiting for llama.cpp's build ({now - started:.0f} s){log}")
+                next_note += NOTE_EVERY_S
             time.sleep(1)
         status = status_path.read_text().strip()
         if status != "0":
