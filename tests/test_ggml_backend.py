@@ -155,7 +155,9 @@ def _chunked(backend: GgmlBackend, ids: list[int], chunks: list[int]) -> np.ndar
 def test_a_prompt_computes_the_same_in_any_chunks_and_would_not_without_key_blocks(
     smollm2: ModelFile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = GgmlBackend(smollm2, (0, 4))
+    """The softmax attention's sums run over whole key blocks, so a chunk's rows do not depend
+    on how many keys it reached."""
+    backend = GgmlBackend(smollm2, (0, 4), flash_attention=False)
     ids = list(np.random.default_rng(1).integers(0, smollm2.config.vocab_size, 150))
     whole = _chunked(backend, ids, [150])
     assert np.array_equal(_chunked(backend, ids, [7, 60, 83]), whole)
@@ -163,6 +165,40 @@ def test_a_prompt_computes_the_same_in_any_chunks_and_would_not_without_key_bloc
     monkeypatch.setattr(_graph, "KEY_BLOCK", 1)
     monkeypatch.setattr(_backend, "REUSE_ROOM", 0)
     assert not np.array_equal(_chunked(backend, ids, [7, 60, 83]), whole)
+
+
+def test_flash_attention_computes_the_same_in_any_chunks_and_would_not_with_its_tiles(
+    smollm2: ModelFile,
+) -> None:
+    """Flash attention skips masked keys, so the keys a chunk reaches do not matter (KEY_BLOCK
+    1 changes nothing); ggml's tiled kernel for 64 rows and more sums otherwise than its
+    row kernel, so the backend asks for the row kernel everywhere (``use_ref``)."""
+    backend = GgmlBackend(smollm2, (0, 4))
+    ids = list(np.random.default_rng(1).integers(0, smollm2.config.vocab_size, 150))
+    whole = _chunked(backend, ids, [150])
+    assert np.array_equal(_chunked(backend, ids, [7, 60, 83]), whole)
+    assert np.array_equal(_chunked(backend, ids, [1] * 10 + [140]), whole)
+    backend._lib.ggml_backend_cpu_set_use_ref(backend._cpu, False)  # the tiles for 64+ rows
+    assert not np.array_equal(_chunked(backend, ids, [7, 60, 83]), _chunked(backend, ids, [150]))
+
+
+def test_a_decode_step_over_many_keys_is_the_same_on_one_thread_and_two(
+    smollm2: ModelFile,
+) -> None:
+    """ggml's flash attention splits one row's keys among the threads from 512 keys on, and
+    sums the parts in the thread count's order; the row kernel the backend asks for does not."""
+    ids = list(np.random.default_rng(2).integers(0, smollm2.config.vocab_size, 700))
+
+    def step(threads: int, row_kernel: bool = True) -> np.ndarray:
+        backend = GgmlBackend(smollm2, (0, 3), threads=threads)
+        backend._lib.ggml_backend_cpu_set_use_ref(backend._cpu, row_kernel)
+        backend._cores.close()  # compute on `threads` whatever else runs on the host
+        cache = backend.new_cache()
+        backend.forward(cache, 0, tokens=ids[:-1])
+        return backend.forward(cache, len(ids) - 1, tokens=ids[-1:])
+
+    assert np.array_equal(step(1), step(2))
+    assert not np.array_equal(step(1, row_kernel=False), step(2, row_kernel=False))
 
 
 def _steps(backend: GgmlBackend, inputs: np.ndarray, prompt: int) -> np.ndarray:
@@ -337,16 +373,21 @@ PROMPTS = [
 @pytest.mark.slow
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
-def test_greedy_tokens_equal_llama_cpp_s_up_to_near_ties_on_the_real_models(name: str) -> None:
+@pytest.mark.parametrize("flash", [True, False], ids=["flash-attention", "softmax"])
+def test_greedy_tokens_equal_llama_cpp_s_up_to_near_ties_on_the_real_models(
+    name: str, flash: bool
+) -> None:
     """llama.cpp (built here with AVX-512) sums some products in another order than this
     ggml (AVX2), so an ulp apart, and once the 8-bit activations round the other way the
     logits differ by ~1 (as they do from numpy's): greedy tokens are equal up to where our
-    top two are within `LLAMA_CPP_TIE`; every divergence is printed with its margin."""
+    top two are within `LLAMA_CPP_TIE`; every divergence is printed with its margin. Each
+    attention against llama.cpp's same one (``-fa on`` / ``off``)."""
     from stagerun_llamacpp import LlamaCppBackend
 
     model = open_model(name)
-    ours = GgmlBackend(model, threads=2)
-    theirs = LlamaCppBackend(model, threads=2, seats=2)  # two seats: flash attention off
+    ours = GgmlBackend(model, threads=2, flash_attention=flash)
+    # one seat: llama.cpp's default, flash attention on; two: off (the plugin's choice)
+    theirs = LlamaCppBackend(model, threads=2, seats=1 if flash else 2)
     try:
         equal = 0
         for prompt in PROMPTS:
@@ -356,7 +397,9 @@ def test_greedy_tokens_equal_llama_cpp_s_up_to_near_ties_on_the_real_models(name
             want, _ = greedy(theirs, ids)
             assert_agrees(got, margins, want, f"{name}, {prompt!r}", tie=LLAMA_CPP_TIE)
             equal += got == want
-        assert equal >= 1, "no prompt gave llama.cpp's tokens"
+        # flash attention sums the values in float16 (both ggmls do): logits move by more,
+        # and on these three prompts every SmolLM2 run diverges somewhere, at a near-tie
+        assert equal >= 1 or flash, "no prompt gave llama.cpp's tokens"
     finally:
         del theirs
         gc.collect()

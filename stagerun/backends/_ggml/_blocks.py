@@ -51,10 +51,11 @@ class Blocks:
         config: the model's numbers and family traits.
         factors: the ``rope_freqs`` tensor (Llama 3's frequency factors), if the model has one.
         out_norm, head_weight: the output norm and head, on the last stage; else None.
+        flash: attend with ggml's flash attention kernel, else scores, softmax and values apart.
     """
 
     def __init__(self, lib: Any, config: ModelConfig, *, factors: Any, out_norm: Any,
-                 head_weight: Any) -> None:  # fmt: skip
+                 head_weight: Any, flash: bool = True) -> None:  # fmt: skip
         family = config.family
         self._lib, self.config = lib, config
         self._eps = float(config.rms_eps)
@@ -63,6 +64,7 @@ class Blocks:
         self._gelu = family.activation == "gelu_tanh"
         self._kq_scale = float(1.0 / math.sqrt(config.head_dim))
         self._out_norm, self.head_weight = out_norm, head_weight
+        self.flash = flash
 
     def norm(self, g: Graph, x: Any, weight: Any) -> Any:
         lib = self._lib
@@ -126,30 +128,31 @@ class Blocks:
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
         width, T, cap, L = nkv * hd, s.rows, s.capacity, s.keys
         f16 = 2
-        k_layer = i * cap * width * f16
-        v_layer = i * width * cap * f16
+        layer = i * cap * width * f16
         # the session's new keys and values, into its cache (before anything reads it), at
-        # rows that are inputs: key row = position; value element (t, c) = c * cap + position
-        k_new = lib.ggml_view_2d(ctx, k, width, T, width * 4, s.first * width * 4)
-        k_dst = lib.ggml_view_2d(ctx, s.k, width, cap, width * f16, k_layer)
-        g.expand(lib.ggml_set_rows(ctx, k_dst, k_new, s.k_rows))
-        v_new = lib.ggml_view_2d(ctx, v, width, T, width * 4, s.first * width * 4)
-        v_new = lib.ggml_reshape_2d(ctx, v_new, 1, width * T)
-        v_dst = lib.ggml_view_2d(ctx, s.v, 1, cap * width, f16, v_layer)
-        g.expand(lib.ggml_set_rows(ctx, v_dst, v_new, s.v_rows))
-        keys = lib.ggml_view_3d(ctx, s.k, hd, L, nkv, width * f16, hd * f16, k_layer)
-        values = lib.ggml_view_3d(ctx, s.v, L, hd, nkv, cap * f16, hd * cap * f16, v_layer)
+        # the rows of their positions
+        for new, cache in ((k, s.k), (v, s.v)):
+            rows_new = lib.ggml_view_2d(ctx, new, width, T, width * 4, s.first * width * 4)
+            dst = lib.ggml_view_2d(ctx, cache, width, cap, width * f16, layer)
+            g.expand(lib.ggml_set_rows(ctx, dst, rows_new, s.k_rows))
+        keys = lib.ggml_view_3d(ctx, s.k, hd, L, nkv, width * f16, hd * f16, layer)
+        values = lib.ggml_view_3d(ctx, s.v, hd, L, nkv, width * f16, hd * f16, layer)
         qs = lib.ggml_view_3d(ctx, q, hd, nh, T, hd * 4, nh * hd * 4, s.first * nh * hd * 4)
         qs = lib.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [hd, T, nh]
+        mask, softcap = s.masks[b.window], c.attn_softcap
+        if self.flash:
+            out = lib.ggml_flash_attn_ext(ctx, qs, keys, values, mask, self._kq_scale, 0.0,
+                                          float(softcap or 0.0))  # fmt: skip
+            return lib.ggml_reshape_2d(ctx, out, nh * hd, T)  # [hd, nh, T] already
         kq = lib.ggml_mul_mat(ctx, keys, qs)  # [L, T, nh]
-        cap_scores = c.attn_softcap
-        mask = s.masks[b.window]
-        if cap_scores:
-            kq = lib.ggml_scale(ctx, kq, self._kq_scale / cap_scores)
-            kq = lib.ggml_scale(ctx, lib.ggml_tanh(ctx, kq), cap_scores)
+        if softcap:
+            kq = lib.ggml_scale(ctx, kq, self._kq_scale / softcap)
+            kq = lib.ggml_scale(ctx, lib.ggml_tanh(ctx, kq), softcap)
             kq = lib.ggml_soft_max_ext(ctx, kq, mask, 1.0, 0.0)
         else:
             kq = lib.ggml_soft_max_ext(ctx, kq, mask, self._kq_scale, 0.0)
+        # the value product reads each channel's L values as one row: a transposed copy
+        values = lib.ggml_cont_3d(ctx, lib.ggml_permute(ctx, values, 1, 0, 2, 3), L, hd, nkv)
         out = lib.ggml_mul_mat(ctx, values, kq)  # [hd, T, nh]
         out = lib.ggml_permute(ctx, out, 0, 2, 1, 3)  # [hd, nh, T]
         return lib.ggml_cont_2d(ctx, out, nh * hd, T)

@@ -9,9 +9,10 @@ the allocator lays out), the graph, and the inputs to copy in once memory is lai
   the MLP, so each weight is read once per graph;
 * attention is per session: its new keys and values are written into its cache first
   (``ggml_set_rows`` at row indices that are inputs, put in the graph before the nodes that
-  read the cache), then its queries ``[head_dim, T, n_heads]`` meet the cached keys
-  ``[head_dim, L, n_kv]`` (ggml broadcasts the query heads over the KV heads), a masked
-  softmax, and the transposed values.
+  read the cache), then its queries ``[head_dim, T, n_heads]`` meet the cached keys and values
+  ``[head_dim, L, n_kv]`` (ggml broadcasts the query heads over the KV heads): in ggml's flash
+  attention kernel by default, or as scores, a masked softmax and a product with the values
+  copied transposed (`Blocks.attend`).
 
 Everything that changes from one decode step to the next is an input: the positions, the
 token ids or hidden states, the masks and the cache rows written. A graph therefore serves
@@ -22,14 +23,22 @@ one per step in Python.
 Why a row's result never depends on the rows beside it (batched == solo, bitwise). Each
 output of ``ggml_mul_mat`` is one dot product of a weight row with one activation row (the
 activations quantized to Q8 row by row first); norms, RoPE and the activations work a row at
-a time; the attention of one session never sees another's rows. What is left is the length
-``L`` of the keys a session attends to, which its chunk decides: the softmax and the value
-product are SIMD sums over ``L``, whose tail (``L`` mod 8 or 32) is summed apart. ``L`` is
-therefore always a whole number of 64-key blocks, and the keys past a row's position are
-masked to an exact zero weight, so a row's sums are the same whatever chunk it came in:
-prefilled whole, in pieces, or after a prefix restored from the prefix cache. For the same
-reason ``L`` may be any whole number of blocks that holds the session's positions: a graph
-kept for reuse is built with a few blocks of room.
+a time; the attention of one session never sees another's rows. What is left is the keys a
+session attends to, ``L`` of them, which its chunk decides:
+
+* flash attention visits a row's keys in order and skips the masked ones, so ``L`` does not
+  matter; but ggml has two faster kernels whose sums do depend on the batch, tiles of 64 query
+  rows and, for a lone row over 512 keys or more, the keys split among the threads. The
+  backend asks for the row kernel everywhere (``ggml_backend_cpu_set_use_ref``), so a row's
+  sums are the same in any chunk and on any number of threads;
+* the softmax and the value product are SIMD sums over ``L``, whose tail (``L`` mod 8 or 32)
+  is summed apart. ``L`` is therefore always a whole number of 64-key blocks, and the keys
+  past a row's position are masked to an exact zero weight.
+
+Either way a row's sums are the same whatever chunk it came in: prefilled whole, in pieces,
+or after a prefix restored from the prefix cache. For the same reason ``L`` may be any whole
+number of blocks that holds the session's positions: a graph kept for reuse is built with a
+few blocks of room.
 """
 
 from __future__ import annotations
@@ -150,6 +159,7 @@ _DTYPES: dict[int, np.dtype[Any]] = {
     F32: np.dtype(np.float32),
     I32: np.dtype(np.int32),
     I64: np.dtype(np.int64),
+    F16: np.dtype(np.float16),
 }
 
 
@@ -190,7 +200,7 @@ class SessionRows:
                  "rows", "v", "v_rows", "width")  # fmt: skip
 
     def __init__(self, graph: Graph, cache: GgmlKVCache, first: int, rows: int, keys: int,
-                 windows: Sequence[int]) -> None:  # fmt: skip
+                 windows: Sequence[int], *, flash: bool = True) -> None:  # fmt: skip
         if keys % KEY_BLOCK or keys > cache.capacity:
             raise ValueError(f"{keys} keys for a cache of {cache.capacity}")
         self.first, self.rows, self.keys = first, rows, keys
@@ -201,11 +211,11 @@ class SessionRows:
         n_all, self.width = cache._shape
         self.k = lib.ggml_new_tensor_3d(ctx, F16, self.width, cap, n_all)
         lib.ggml_backend_tensor_alloc(k_buf, self.k, graph.ffi.cast("void *", cache._k.ctypes.data))
-        self.v = lib.ggml_new_tensor_3d(ctx, F16, cap, self.width, n_all)
+        self.v = lib.ggml_new_tensor_3d(ctx, F16, self.width, cap, n_all)
         lib.ggml_backend_tensor_alloc(v_buf, self.v, graph.ffi.cast("void *", cache._v.ctypes.data))
-        self.masks = {w: graph.input(F32, rows, keys) for w in sorted(set(windows))}
+        kind = F16 if flash else F32  # what ggml's flash attention, or its softmax, reads
+        self.masks = {w: graph.input(kind, rows, keys) for w in sorted(set(windows))}
         self.k_rows = graph.input(I64, rows)
-        self.v_rows = graph.input(I64, rows * self.width)
 
     def fits(self, cache: GgmlKVCache, position: int) -> bool:
         """Whether this graph's part can compute ``cache``'s rows at ``position..``: the same
@@ -220,9 +230,7 @@ class SessionRows:
         """This session's input values for rows at ``position..``, in the order of its inputs."""
         at = np.arange(position, position + self.rows, dtype=np.int64)
         masks = [attention_mask(position, self.rows, self.keys, w) for w in self.masks]
-        # value element (t, c) of the new rows goes to column at[t] of the cache's row c
-        v_rows = np.arange(self.width, dtype=np.int64)[None, :] * self.capacity + at[:, None]
-        return [*masks, at, v_rows.ravel()]
+        return [*masks, at]
 
 
 class Built:

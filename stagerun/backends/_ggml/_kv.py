@@ -1,10 +1,9 @@
 """The ggml backend's KV cache of one session, in numpy memory that ggml computes on.
 
-Keys are ``[layers, capacity, n_kv * head_dim]`` and values ``[layers, n_kv * head_dim,
-capacity]``, float16 (llama.cpp's cache type): a new position's keys are one contiguous row
-and the values transposed, so the value product of the attention reads plain rows. ggml sees
-each array through a CPU buffer made over its memory (`buffers`); export and import are
-numpy slices.
+Keys and values are each ``[layers, capacity, n_kv * head_dim]``, float16 (llama.cpp's cache
+type): a new position's keys and values are one contiguous row each, the layout ggml's flash
+attention reads. ggml sees each array through a CPU buffer made over its memory (`buffers`);
+export and import are numpy slices.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ class GgmlKVCache:
         self._max = -(-max_length // KEY_BLOCK) * KEY_BLOCK
         self._shape = (n_layers, width)
         self._k: F16 = np.zeros((n_layers, 0, width), np.float16)
-        self._v: F16 = np.zeros((n_layers, width, 0), np.float16)
+        self._v: F16 = np.zeros((n_layers, 0, width), np.float16)
         self._buffers: tuple[Any, Any] | None = None
         self._release: weakref.finalize[Any, Any] | None = None
 
@@ -76,9 +75,9 @@ class GgmlKVCache:
         cap = max(needed, min(max(2 * self.capacity, _CHUNK), self._max))
         n_layers, width = self._shape
         k = aligned_zeros((n_layers, cap, width), np.float16)
-        v = aligned_zeros((n_layers, width, cap), np.float16)
+        v = aligned_zeros((n_layers, cap, width), np.float16)
         k[:, : self.length] = self._k[:, : self.length]
-        v[:, :, : self.length] = self._v[:, :, : self.length]
+        v[:, : self.length] = self._v[:, : self.length]
         self._drop_buffers()
         self._k, self._v = k, v
 
@@ -112,7 +111,7 @@ class GgmlKVBlock:
     """A copy of one cache's keys and values for a run of positions (`GgmlBackend.export_kv`)."""
 
     k: F16  # [layers, positions, n_kv * head_dim]
-    v: F16  # [layers, n_kv * head_dim, positions]
+    v: F16  # [layers, positions, n_kv * head_dim]
 
     @property
     def positions(self) -> int:

@@ -108,6 +108,8 @@ struct ggml_tensor * ggml_set_rows(
     struct ggml_tensor * c);
 struct ggml_tensor * ggml_cont_2d(
     struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1);
+struct ggml_tensor * ggml_cont_3d(
+    struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2);
 struct ggml_tensor * ggml_concat(
     struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, int dim);
 struct ggml_tensor * ggml_reshape_2d(
@@ -129,6 +131,10 @@ struct ggml_tensor * ggml_get_rows(
 struct ggml_tensor * ggml_soft_max_ext(
     struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask, float scale,
     float max_bias);
+struct ggml_tensor * ggml_flash_attn_ext(
+    struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
+    struct ggml_tensor * v, struct ggml_tensor * mask, float scale, float max_bias,
+    float logit_softcap);
 struct ggml_tensor * ggml_rope_ext(
     struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
     struct ggml_tensor * c, int n_dims, int mode, int n_ctx_orig, float freq_base,
@@ -156,6 +162,7 @@ bool ggml_gallocr_alloc_graph(ggml_gallocr_t galloc, struct ggml_cgraph * graph)
 size_t ggml_gallocr_get_buffer_size(ggml_gallocr_t galloc, int buffer_id);
 
 ggml_backend_t ggml_backend_cpu_init(void);
+void ggml_backend_cpu_set_use_ref(ggml_backend_t backend_cpu, bool use_ref);
 void ggml_backend_cpu_set_n_threads(ggml_backend_t backend_cpu, int n_threads);
 struct ggml_threadpool_params {
     bool     cpumask[512];
