@@ -37,7 +37,7 @@ BLOCK = _proto.PREFIX_BLOCK
 
 
 def test_a_block_name_stands_for_the_whole_prefix_before_it() -> None:
-    tokens = list(range(3, 3 + 5 * BLOCK + 7))
+    tokens = list(range(3, 3 + 5 * BLOCK + BLOCK - 1))
     names = _proto.prefix_chain(tokens, b"k" * 16)
     assert len(names) == 5  # the partial last block is never named
     changed = [99, *tokens[1:]]
@@ -75,7 +75,7 @@ def test_lookup_restores_the_longest_run_from_the_first_block() -> None:
     assert cache.lookup([7, 1]) == []
     assert (cache.hits, cache.misses) == (2, 1)
     assert (cache.hit_tokens, cache.lookup_tokens) == (4 * BLOCK, 9 * BLOCK)
-    assert cache.missing([1, 2, 8, 9], length=3 * BLOCK + 5) == [2]
+    assert cache.missing([1, 2, 8, 9], length=3 * BLOCK + BLOCK - 1) == [2]
 
 
 def test_eviction_is_least_recently_used_and_keeps_first_blocks_longest() -> None:
@@ -134,9 +134,9 @@ def test_restored_blocks_continue_bitwise_like_the_cache_they_came_from(
     tiny_model: ModelFile,
 ) -> None:
     backend = NumpyBackend(tiny_model)
-    tokens = random.Random(1).choices(range(3, 250), k=5 * BLOCK + 3)
+    tokens = random.Random(1).choices(range(3, 250), k=5 * BLOCK + BLOCK - 1)
     source = backend.new_cache()
-    backend.forward(source, 0, tokens=tokens[: 4 * BLOCK + 9])
+    backend.forward(source, 0, tokens=tokens[: 4 * BLOCK + BLOCK - 1])
     blocks = [backend.export_kv(source, i * BLOCK, (i + 1) * BLOCK) for i in range(4)]
     source.trim(0)  # the copies do not change with their source
     backend.forward(source, 0, tokens=tokens[:5])

@@ -23,15 +23,25 @@ import pytest
 from _live_server import LiveServer
 from _served_app import served_app
 
-from stagerun import open_pipeline
+from stagerun import _proto, open_pipeline
 from stagerun._cli._options import build_parser
 from stagerun._cli._serve import options_from_args
 from stagerun.server import HttpConfig
 from stagerun.testing import write_tiny_model
 
 CONTEXT = 1024
-# The review's secret: 711 tokens, of which 704 (44 whole blocks of 16) can be restored.
+# The review's secret: 711 tokens, of which the whole blocks before the last token can be
+# restored (708 in blocks of 4).
 SECRET = [(7 * i) % 250 + 3 for i in range(711)]
+
+
+def restorable(prompt_tokens: int) -> int:
+    """The positions of a prompt that whole cached blocks can give: all blocks before its last
+    token's."""
+    return (prompt_tokens - 1) // _proto.PREFIX_BLOCK * _proto.PREFIX_BLOCK
+
+
+RESTORABLE = restorable(len(SECRET))
 ALICE, BOB = "alice-key-0123456789", "bob-key-9876543210"
 OTHER_ADDRESS = "127.0.0.2"  # Linux routes all of 127/8 to loopback
 
@@ -70,8 +80,9 @@ async def cached(http: httpx.AsyncClient, prompt: list[int], **fields: Any) -> i
 async def test_a_second_client_sees_nothing_of_the_first_clients_prompt(tiny: Path) -> None:
     """No API keys: clients are told apart by their address; each keeps its own hits.
 
-    Then the review's PIN guess: the PIN ends block 7 (positions 112-127), so a right guess
-    restored 128 positions and a wrong one 112. Each guess comes from an address of its own.
+    Then the review's PIN guess: the PIN ends at position 127, so shared, a right guess would
+    restore 128 positions and a wrong one fewer (112 in blocks of 16, 124 in blocks of 4).
+    Each guess comes from an address of its own.
     """
     common = [(11 * i) % 200 + 20 for i in range(124)]
     async with (
@@ -85,7 +96,7 @@ async def test_a_second_client_sees_nothing_of_the_first_clients_prompt(tiny: Pa
         alice_again = await cached(alice, SECRET)
         print(f"\nanother client's prompt: {bob_sees} cached; the same client's: {alice_again}")
         assert bob_sees == 0
-        assert alice_again == 704  # the same client still gets its cache hits
+        assert alice_again == RESTORABLE  # the same client still gets its cache hits
         await cached(alice, [*common, 4, 7, 1, 1, *SECRET[:100]])
         right = await cached(bob, [*common, 4, 7, 1, 1, *[9] * 12])
         wrong = await cached(carol, [*common, 4, 7, 1, 2, *[9] * 12])
@@ -105,13 +116,13 @@ async def test_clients_with_different_keys_share_nothing_even_with_one_cache_sal
     ):
         assert await cached(alice, SECRET) == 0
         assert await cached(bob, SECRET) == 0
-        assert await cached(alice_elsewhere, SECRET) == 704  # the key, not the address
+        assert await cached(alice_elsewhere, SECRET) == RESTORABLE  # the key, not the address
         salted = SECRET[:400]
         assert await cached(alice, salted, cache_salt="shared") == 0
         bob_salted = await cached(bob, salted, cache_salt="shared")
         print(f"\nanother key, the same cache_salt: {bob_salted} cached")
         assert bob_salted == 0
-        assert await cached(alice, salted, cache_salt="shared") == 384
+        assert await cached(alice, salted, cache_salt="shared") == restorable(400)
         assert await cached(alice, salted, cache_salt="other") == 0  # salts still split a key
         async with client(url, key="nobody") as stranger:
             assert (await stranger.get("/v1/models")).status_code == 401
@@ -125,9 +136,10 @@ async def test_prefix_share_global_shares_across_clients(tiny: Path) -> None:
         client(url, address=OTHER_ADDRESS) as bob,
     ):
         assert await cached(alice, SECRET) == 0
-        assert await cached(bob, SECRET) == 704
+        assert await cached(bob, SECRET) == RESTORABLE
         assert await cached(alice, SECRET[:400], cache_salt="s") == 0
-        assert await cached(bob, SECRET[:400], cache_salt="s") == 384  # a salt is a domain
+        # a salt is a domain
+        assert await cached(bob, SECRET[:400], cache_salt="s") == restorable(400)
 
 
 def test_the_sharing_option_is_checked_and_reaches_the_server() -> None:
@@ -157,7 +169,7 @@ def test_a_key_file_holds_one_key_per_line(tiny: Path, tmp_path: Path) -> None:
             assert answer.status_code == 200, answer.text
             return int(answer.json()["timings"]["prefix_cached_tokens"])
 
-        assert [restored(ALICE), restored(BOB), restored(ALICE)] == [0, 0, 704]
+        assert [restored(ALICE), restored(BOB), restored(ALICE)] == [0, 0, RESTORABLE]
         comment = {"authorization": "Bearer # tenants"}
         assert httpx.get(live.url + "/v1/models", headers=comment).status_code == 401
     finally:

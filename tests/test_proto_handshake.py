@@ -38,9 +38,9 @@ def hello_bytes(
 
 def test_hello_wire_layout() -> None:
     assert HELLO_SIZE == 16
-    assert encode_hello(Role.LANE) == b"STGR\x06\x00\x01\x00" + bytes(8)
+    assert encode_hello(Role.LANE) == b"STGR\x07\x00\x01\x00" + bytes(8)
     assert encode_hello(Role.RETURN, 0x0102030405060708) == (
-        b"STGR\x06\x00\x02\x00\x08\x07\x06\x05\x04\x03\x02\x01"
+        b"STGR\x07\x00\x02\x00\x08\x07\x06\x05\x04\x03\x02\x01"
     )
 
 
@@ -66,10 +66,10 @@ def test_lane_hello_round_trip() -> None:
         (b"GET / HTTP/1.1\r\n", r"not a stagerun peer: its hello starts with b'GET '"),
         (hello_bytes(magic=b"STGX"), "not a stagerun peer"),
         (
-            hello_bytes(version=7),
-            "^peer speaks stagerun protocol version 7, this stage speaks version 6.$",
+            hello_bytes(version=8),
+            "^peer speaks stagerun protocol version 8, this stage speaks version 7.$",
         ),
-        (hello_bytes(version=0), "version 0, this stage speaks version 6"),
+        (hello_bytes(version=0), "version 0, this stage speaks version 7"),
         (hello_bytes(role=0), "unknown role 0"),
         (hello_bytes(role=3), "unknown role 3"),
         (hello_bytes(flags=4), "unknown flags 0x04"),
@@ -118,8 +118,8 @@ def events(decoder: ReadyDecoder, data: bytes, *, step: int) -> list[object]:
 
 
 def test_ready_wire_layout() -> None:
-    assert encode_ready() == b"SRDY\x06\x00\x00\x00"
-    assert encode_refusal("no") == b"SRFS\x06\x00\x02\x00no"
+    assert encode_ready() == b"SRDY\x07\x00\x00\x00"
+    assert encode_refusal("no") == b"SRFS\x07\x00\x02\x00no"
 
 
 @pytest.mark.parametrize("step", [1, 3, 100])
@@ -161,7 +161,7 @@ def test_refusal_needs_a_reason() -> None:
 
 def test_empty_refusal_from_the_wire_is_accepted() -> None:
     decoder = ReadyDecoder()
-    decoder.receive_data(b"SRFS\x06\x00\x00\x00")
+    decoder.receive_data(b"SRFS\x07\x00\x00\x00")
     assert decoder.next_event() == Refused("")
 
 
@@ -191,11 +191,11 @@ def test_trailing_data_is_empty_until_the_reply_is_complete() -> None:
         (b"H", r"not a stagerun peer: it answered b'H' instead of b'SRDY' or b'SRFS'"),
         (b"SRX", "not a stagerun peer"),
         (b"HTTP/1.1 400 Bad Request\r\n", "it answered b'HTTP'"),
-        (b"SRDY\x07\x00\x00\x00", "^peer speaks stagerun protocol version 7, this stage speaks"),
-        (b"SRFS\x09\x00\x02\x00no", "version 9, this stage speaks version 6"),
-        (b"SRDY\x06\x00\x01\x00x", "READY reply carries no reason, got a 1-byte one"),
-        (b"SRFS\x06\x00\x01\x04", "1025-byte reason, more than the limit of 1024"),
-        (b"SRFS\x06\x00\x02\x00\xff\xfe", "refusal reason is not valid UTF-8"),
+        (b"SRDY\x08\x00\x00\x00", "^peer speaks stagerun protocol version 8, this stage speaks"),
+        (b"SRFS\x09\x00\x02\x00no", "version 9, this stage speaks version 7"),
+        (b"SRDY\x07\x00\x01\x00x", "READY reply carries no reason, got a 1-byte one"),
+        (b"SRFS\x07\x00\x01\x04", "1025-byte reason, more than the limit of 1024"),
+        (b"SRFS\x07\x00\x02\x00\xff\xfe", "refusal reason is not valid UTF-8"),
     ],
 )
 def test_bad_reply(data: bytes, match: str) -> None:

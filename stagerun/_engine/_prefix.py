@@ -1,6 +1,6 @@
 """A stage's prefix cache: KV blocks of earlier requests, kept for later ones that share them.
 
-Theory of operation. Stage 0 names a request's whole 16-token blocks by a hash chain
+Theory of operation. Stage 0 names a request's whole 4-token blocks by a hash chain
 (`stagerun._proto._prefix`): a name stands for a block *and* everything before it. A
 `PrefixCache` maps names to copies of this stage's keys and values for those positions
 (`ComputeBackend.export_kv`), least recently used first:

@@ -51,11 +51,11 @@ from ._sampling_params import (
 )
 from ._status import Status
 
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7  # 7: prefix blocks of 4 tokens (a name stands for 4 positions)
 
 MAX_TOKENS_PER_MESSAGE: Final = 65536
 MAX_WINDOW_IDS: Final = 64
-PREFIX_BLOCK: Final = 16  # tokens per prefix block (vLLM's default block size; see `_prefix`)
+PREFIX_BLOCK: Final = 4  # tokens per prefix block (see `_prefix`)
 MAX_PREFIX_NAMES: Final = MAX_TOKENS_PER_MESSAGE // PREFIX_BLOCK  # block names per message
 MAX_ERROR_MESSAGE: Final = 4096
 
