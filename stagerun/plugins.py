@@ -49,6 +49,7 @@ __all__ = [
     "installed",
     "names",
     "refresh",
+    "takes",
     "takes_device",
     "transport",
     "transport_for",
@@ -388,26 +389,35 @@ def build_backend(
     *,
     threads: int | None,
     device: str | None = None,
+    flash_attention: bool | None = None,
 ) -> Any:
-    """Construct backend ``name`` for a layer range; ``device`` goes to backends that take one.
+    """Construct backend ``name`` for a layer range; ``device`` and ``flash_attention`` go to
+    backends that take them (None: the backend's default).
 
     Raises:
-        PluginError: a device was asked for and this backend has no ``device`` parameter.
+        PluginError: one was asked for and this backend has no such parameter.
     """
     cls = backend(name)
-    if device is None:
-        return cls(model, layers, threads=threads)
-    if not takes_device(name):
-        raise PluginError(f"the {name} backend has no device option (asked for {device!r})")
-    return cls(model, layers, threads=threads, device=device)
+    options: dict[str, Any] = {}
+    for option, value in (("device", device), ("flash_attention", flash_attention)):
+        if value is None:
+            continue
+        if not takes(name, option):
+            flag = "--" + option.replace("_", "-")
+            raise PluginError(f"the {name} backend has no {flag} option (asked for {value!r})")
+        options[option] = value
+    return cls(model, layers, threads=threads, **options)
+
+
+def takes(name: str, option: str) -> bool:
+    """Whether backend ``name`` accepts the keyword ``option`` (``device``, ...)."""
+    params = parameters(backend(name).__init__) or {}
+    return option in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def takes_device(name: str) -> bool:
     """Whether backend ``name`` accepts a ``device`` keyword (``--device``)."""
-    params = parameters(backend(name).__init__) or {}
-    return "device" in params or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()
-    )
+    return takes(name, "device")
 
 
 def drafter(name: str) -> Any:

@@ -51,6 +51,10 @@ def test_remote_stages_are_joined_not_started() -> None:
             "2 stages need 1 remote addresses, got 2",
         ),
         (PipelineConfig(device="cuda"), "--device cuda needs a backend with a device"),
+        (
+            PipelineConfig(backend="numpy", flash_attention=False),
+            "--flash-attention needs a backend that takes it",
+        ),
         (PipelineConfig(hop_delay_ms=-1), "hop_delay_ms must not be negative"),
     ],
 )
@@ -82,6 +86,7 @@ INVALID: dict[str, Any] = {
     "backend": "abacus",
     "backends": ("numpy", "numpy"),
     "device": "cuda",
+    "flash_attention": "yes",
     "recovery": stagerun.RecoveryPolicy(max_breaks=-1),
     "supervision": stagerun.SupervisionPolicy(probe_timeout=0),
     "reply_timeout": 0.0,
@@ -189,6 +194,27 @@ def test_stage_threads_give_each_stage_its_own_thread_count() -> None:
         assert config_from_args(args).stage_threads == (2, 1, 1)
     with pytest.raises(SystemExit):
         _args("generate", "--stage-threads", "2,0", "x")
+
+
+async def test_flash_attention_reaches_the_ggml_stages_and_only_them(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``--flash-attention off`` on the command line: a setting of the plan's ggml stages, on
+    the command line of each stage process, and in the backend stage 0 builds."""
+    for command in (["generate", "x"], ["serve"], ["bench", "decode"]):
+        off = config_from_args(_args(*command, "--flash-attention", "off"))
+        assert off.flash_attention is False
+        assert config_from_args(_args(*command)).flash_attention is None
+    with pytest.raises(SystemExit):
+        _args("serve", "--flash-attention", "maybe")
+    config = PipelineConfig(stages=3, backends=("ggml", "numpy", "ggml"), flash_attention=False)
+    assert [s.flash_attention for s in plan(config, 30).stages] == [False, None, False]
+    model = write_tiny_model(tmp_path / "tiny.gguf", n_layers=3)
+    async with stagerun.open_pipeline(model, backend="ggml", flash_attention=False) as pipeline:
+        await pipeline.complete("hello", max_tokens=2)
+        assert pipeline.engine.backend._ops.flash is False
+    async with stagerun.open_pipeline(model, backend="ggml") as pipeline:
+        assert pipeline.engine.backend._ops.flash is True
 
 
 async def test_stage_threads_reach_the_backends(tmp_path: pathlib.Path) -> None:

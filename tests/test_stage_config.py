@@ -61,6 +61,7 @@ _compute = st.builds(
     backend=st.sampled_from(["numpy", "torch", "llamacpp"]),
     threads=st.none() | st.integers(1, 64),
     device=st.none() | st.sampled_from(["cpu", "cuda", "cuda:1"]),
+    flash_attention=st.none() | st.booleans(),
 )
 configs = st.builds(
     StageConfig,
@@ -117,6 +118,15 @@ def test_the_parser_defaults_are_the_configuration_defaults(
     assert StageConfig(index=1).reply_timeout == 7.0
     # the launcher's argv without --listen: the supervisor appends it
     assert "--listen" not in to_argv(StageConfig(index=1, compute=compute), listen=False)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("model", ""), ("layers", (3, 3)), ("backend", ""), ("threads", 0), ("flash_attention", "on")],
+)
+def test_what_a_stage_computes_is_checked_too(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"^{field} .* @ stage compute$"):
+        StageCompute(**{"model": "smollm2", "layers": (0, 3), field: value})
 
 
 def test_every_setting_has_its_check() -> None:

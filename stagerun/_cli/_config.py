@@ -38,6 +38,7 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> PipelineConf
         "backend": get("backend", "auto"),
         "backends": get("backends"),
         "device": get("device"),
+        "flash_attention": get("flash_attention"),
         "hop_delay_ms": get("hop_delay_ms", 0.0),
         "bandwidth_mbps": get("bandwidth_mbps"),
         "speculation": speculation_from_args(args) if hasattr(args, "speculative") else None,

@@ -27,6 +27,7 @@ from ._pipeline_options import (
     _link_options,
     _plugin_options,
     chat_template_option,
+    flash_attention_option,
     inline_compute_option,
     prefix_cache_options,
 )
@@ -411,6 +412,7 @@ def _add_stage_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     stage.add_argument("--backend", default=None, help="compute backend plugin (default numpy)")
     stage.add_argument("--device", default=None, help="compute device for torch: cuda, cpu, ...")
+    flash_attention_option(stage)
     stage.add_argument(
         "--downstream",
         default=None,

@@ -114,6 +114,7 @@ def _plugin_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="compute device for backends that take one (torch): cuda, cuda:1, cpu",
     )
+    flash_attention_option(p)
     prefix_cache_options(p)
     inline_compute_option(p)
 
@@ -168,3 +169,21 @@ def _link_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bandwidth-mbps", type=float, default=None, help="emulate a link of this bandwidth"
     )
+
+
+def flash_attention_option(p: argparse.ArgumentParser) -> None:
+    """``--flash-attention on|off``: ggml's attention kernel (unset: the backend's default)."""
+    p.add_argument(
+        "--flash-attention",
+        type=_on_off,
+        default=None,
+        metavar="{on,off}",
+        help="ggml stages: attend with the fused kernel (on, the default; llama.cpp's -fa on) or "
+        "as scores, softmax and values apart (off: -fa off's numerics, slower)",
+    )
+
+
+def _on_off(value: str) -> bool:
+    if value.lower() not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value.lower() == "on"

@@ -21,19 +21,14 @@ command-line flag and mapping in `stagerun._cli`, and its docs.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, get_args
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
 from .. import _proto, plugins
 from .._decide._prefill import (
-    AdaptiveRamp,
     ChunkPolicy,
-    FixedChunks,
-    ScheduleChunks,
-    parse_chunk_policy,
 )
 from .._engine._config import (
     DEFAULT_INLINE_COMPUTE_MS,
@@ -49,6 +44,8 @@ from .._util import default_threads
 from .._wire._connect import alternatives
 from .._wire._framed import LinkEmulation
 from ..backends._ggml._cores import shares_cores
+from ._checks import Mode as Mode
+from ._checks import check_settings
 from ._policies import DEFAULT_FAILURE_WINDOW as DEFAULT_FAILURE_WINDOW
 from ._policies import DEFAULT_MAX_FAILURES as DEFAULT_MAX_FAILURES
 from ._policies import DEFAULT_RECHECK_INTERVAL as DEFAULT_RECHECK_INTERVAL
@@ -56,7 +53,6 @@ from ._policies import RecoveryPolicy as RecoveryPolicy
 from ._policies import SpeculationConfig as SpeculationConfig
 from ._policies import SupervisionPolicy as SupervisionPolicy
 
-Mode = Literal["inproc", "processes"]
 DEFAULT_PREFILL_CHUNK = "adaptive"
 DEFAULT_PREFILL_CREDIT = 3  # prefill chunks in flight past stage 0, unacknowledged
 
@@ -130,6 +126,9 @@ class PipelineConfig:
         backends: one backend per stage instead, stage 0 first (any mix).
         device: the compute device (``cuda``, ``cuda:1``, ``cpu``) for the stages whose backend
             takes one (torch); None lets each backend choose.
+        flash_attention: for the stages whose backend takes it (ggml), attend with the fused
+            kernel (True, llama.cpp's ``-fa on``) or as scores, softmax and values apart
+            (False, ``-fa off``'s numerics); None: the backend's default (ggml: on).
         recovery: how a request survives a lane failure (default `RecoveryPolicy()`: up to
             3 failures, 60 s each; ``RecoveryPolicy.disabled()`` fails at the first).
         supervision: restart and liveness settings for the stage processes started here
@@ -165,6 +164,7 @@ class PipelineConfig:
     backend: str = "auto"  # ggml where it runs, else numpy (`plugins.resolve_backend`)
     backends: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none)
     device: str | None = None
+    flash_attention: bool | None = None
     recovery: RecoveryPolicy | None = None
     supervision: SupervisionPolicy | None = None
     reply_timeout: float | None = None
@@ -203,6 +203,7 @@ class StagePlan:
     backend: str
     threads: int | None  # compute threads (None: the backend decides)
     device: str | None  # the configured device, where this stage's backend takes one
+    flash_attention: bool | None  # likewise (None: the backend's default)
     listen: str | None  # where a stage started here listens (None: stage 0, or remote)
     remote: str | None  # the address of a stage already running elsewhere
 
@@ -227,123 +228,6 @@ def split_layers(n_layers: int, stages: int) -> list[tuple[int, int]]:
         ranges.append((lo, hi))
         lo = hi
     return ranges
-
-
-def _whole(least: int) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= least
-
-
-def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda v: v is None or check(v)
-
-
-def _number(least: float, *, above: bool = False) -> Callable[[Any], bool]:
-    def check(v: Any) -> bool:
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-            return False
-        return v > least if above else v >= least
-
-    return check
-
-
-def _chunk_policy_ok(value: Any) -> bool:
-    if isinstance(value, (FixedChunks, ScheduleChunks, AdaptiveRamp)):
-        return True
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        return False
-    try:
-        parse_chunk_policy(str(value))  # what `Pipeline` does with it
-    except ValueError:
-        return False
-    return True
-
-
-def _recovery_ok(value: Any) -> bool:
-    if not isinstance(value, RecoveryPolicy):
-        return False
-    times = (value.timeout, value.backoff, value.max_backoff)
-    return _whole(0)(value.max_breaks) and all(map(_number(0.0), times))
-
-
-def _supervision_ok(value: Any) -> bool:
-    if not isinstance(value, SupervisionPolicy):
-        return False
-    waits = (value.backoff, value.max_backoff, value.stable_after, value.probe_interval)
-    deadlines = (value.probe_timeout, value.ready_timeout)
-    return (
-        all(map(_number(0.0), waits))
-        and all(map(_number(0.0, above=True), deadlines))
-        and _whole(1)(value.probe_failures)
-    )
-
-
-def _names(value: Any) -> bool:
-    return isinstance(value, str) and bool(value.strip())
-
-
-def _name_list(value: Any) -> bool:
-    return isinstance(value, tuple) and all(map(_names, value))
-
-
-# field -> (what it must be, its check); `plan` checks how the fields fit together.
-_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "stages": ("must be at least 1", _whole(1)),
-    "mode": (f"must be one of {', '.join(get_args(Mode))}", lambda v: v in get_args(Mode)),
-    "host": ("must be a host name or address", _names),
-    "threads": ("must be None or at least 1", _optional(_whole(1))),
-    "wire_dtype": (
-        f"must be one of {', '.join(_proto.ACTIVATION_DTYPES)}",
-        lambda v: v in _proto.ACTIVATION_DTYPES,
-    ),
-    "capacity": ("must be at least 1 lane", _whole(1)),
-    "prefill_chunk": (
-        "must be 'adaptive', a size like 256 or a schedule like 128,256",
-        _chunk_policy_ok,
-    ),
-    "prefill_credit": ("must be at least 1 chunk", _whole(1)),
-    "hop_delay_ms": ("must not be negative (milliseconds)", _number(0.0)),
-    "bandwidth_mbps": ("must be None or 0 or more Mbit/s (0: no cap)", _optional(_number(0.0))),
-    "speculation": (
-        "must be None or a SpeculationConfig",
-        _optional(lambda v: isinstance(v, SpeculationConfig)),
-    ),
-    "transport": ("must be a transport plugin's name", _names),
-    "transports": ("must be None or transport plugins' names", _optional(_name_list)),
-    "backend": ("must be a backend plugin's name", _names),
-    "backends": ("must be None or backend plugins' names", _optional(_name_list)),
-    "device": ("must be None or a device name (cuda, cpu, ...)", _optional(_names)),
-    "recovery": (
-        "must be None or a RecoveryPolicy of no negative counts or times",
-        _optional(_recovery_ok),
-    ),
-    "supervision": (
-        "must be None or a SupervisionPolicy of positive deadlines and no negative waits",
-        _optional(_supervision_ok),
-    ),
-    "reply_timeout": (
-        "must be None or a positive number of seconds",
-        _optional(_number(0.0, above=True)),
-    ),
-    "prefix_cache": ("must be True or False", lambda v: isinstance(v, bool)),
-    "prefix_cache_mb": ("must not be negative (MiB)", _whole(0)),
-    "chat_template": ("must be None or a template's text, not empty", _optional(_names)),
-    "inline_compute_ms": ("must not be negative (milliseconds)", _number(0.0)),
-}
-
-
-def check_settings(config: PipelineConfig) -> None:
-    """Refuse a setting that is wrong whatever the others are (`plan` checks the rest).
-
-    Raises:
-        ValueError: one sentence, ``what @ PipelineConfig.field``.
-    """
-    for name, (requirement, check) in _CHECKS.items():
-        value = getattr(config, name)
-        if not check(value):
-            shown = (
-                f"a template of {len(value)} characters" if name == "chat_template" else repr(value)
-            )
-            raise ValueError(f"{name} {requirement}, got {shown} @ PipelineConfig.{name}")
 
 
 def stage_config(
@@ -376,6 +260,7 @@ def stage_config(
             backend=stage.backend,
             threads=stage.threads,
             device=stage.device,
+            flash_attention=stage.flash_attention,
         )
     max_sessions, max_kv_tokens = session_limits(config, context_length)
     return StageConfig(
@@ -457,12 +342,7 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
         default_threads(on_host) if t is None and name == "ggml" else t
         for t, name in zip(threads, backends, strict=True)
     ]
-    devices = [config.device if plugins.takes_device(name) else None for name in backends]
-    if config.device is not None and not any(devices):
-        raise ValueError(
-            f"--device {config.device} needs a backend with a device (torch); "
-            f"these stages run {', '.join(backends)}"
-        )
+    devices, flash = _backend_options(config, backends)
     layout = PipelinePlan(
         tuple(
             StagePlan(
@@ -471,6 +351,7 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
                 backend=backends[i],
                 threads=threads[i],
                 device=devices[i],
+                flash_attention=flash[i],
                 listen=None if i == 0 or remote is not None else listen[i - 1],
                 remote=None if i == 0 or remote is None else remote[i - 1],
             )
@@ -482,6 +363,28 @@ def plan(config: PipelineConfig, n_layers: int) -> PipelinePlan:
         last = stage.index == len(ranges) - 1
         stage_config(config, stage, downstream=None if last else stage.listen)
     return layout
+
+
+def _backend_options(
+    config: PipelineConfig, backends: list[str]
+) -> tuple[list[str | None], list[bool | None]]:
+    """Each stage's device and flash attention setting, None where its backend takes none."""
+    devices = [config.device if plugins.takes_device(name) else None for name in backends]
+    if config.device is not None and not any(devices):
+        raise ValueError(
+            f"--device {config.device} needs a backend with a device (torch); "
+            f"these stages run {', '.join(backends)}"
+        )
+    flash = [
+        config.flash_attention if plugins.takes(name, "flash_attention") else None
+        for name in backends
+    ]
+    if config.flash_attention is not None and all(f is None for f in flash):
+        raise ValueError(
+            f"--flash-attention needs a backend that takes it (ggml); these stages run "
+            f"{', '.join(backends)}"
+        )
+    return devices, flash
 
 
 def _check_ranges(ranges: Sequence[tuple[int, int]], n_layers: int) -> None:

@@ -98,6 +98,7 @@ class StageCompute:
     backend: str = "auto"
     threads: int | None = None
     device: str | None = None
+    flash_attention: bool | None = None  # ggml's attention kernel (None: the backend's default)
 
     def __attrs_post_init__(self) -> None:
         lo, hi = self.layers
@@ -111,6 +112,11 @@ class StageCompute:
             raise ValueError("backend must name a backend plugin, got '' @ stage compute")
         if self.threads is not None and not _whole(self.threads, 1):
             raise ValueError(f"threads must be at least 1, got {self.threads!r} @ stage compute")
+        if self.flash_attention not in (None, True, False):
+            raise ValueError(
+                f"flash_attention must be None, True or False, got {self.flash_attention!r} "
+                "@ stage compute"
+            )
 
 
 def _whole(value: object, least: int) -> bool:
@@ -372,6 +378,7 @@ class StageConfig:
             backend=args.backend or "auto",
             threads=args.threads,
             device=args.device,
+            flash_attention=args.flash_attention,
         )
         reply = args.reply_timeout
         return cls(
@@ -437,6 +444,8 @@ def to_argv(config: StageConfig, *, listen: bool = True) -> list[str]:
         argv += ["--threads", str(compute.threads)]
     if compute.device is not None:
         argv += ["--device", compute.device]
+    if compute.flash_attention is not None:
+        argv += ["--flash-attention", "on" if compute.flash_attention else "off"]
     if config.downstream is not None:
         argv += ["--downstream", config.downstream]
     if listen:
