@@ -30,7 +30,6 @@ from . import plugins
 from ._driver._config import (
     PipelineConfig,
     PipelinePlan,
-    StagePlan,
     SupervisionPolicy,
     plan,
     session_limits,
@@ -79,18 +78,6 @@ def _own_secret(config: PipelineConfig) -> Iterator[LaneAuth]:
             os.unlink(path)
 
 
-def _build_backend(stage: StagePlan, model: ModelFile) -> Any:
-    """``stage``'s backend as its plan says (it loads weights: run it in a worker thread)."""
-    return plugins.build_backend(
-        stage.backend,
-        model,
-        stage.layers,
-        threads=stage.threads,
-        device=stage.device,
-        flash_attention=stage.flash_attention,
-    )
-
-
 @asynccontextmanager
 async def open_pipeline(
     model: str | os.PathLike[str] | ModelFile = "smollm2",
@@ -114,7 +101,7 @@ async def open_pipeline(
     layout = plan(config, model_file.config.n_layers)
     link = config.link
     first = layout.stages[0]
-    backend0 = await trio.to_thread.run_sync(_build_backend, first, model_file)
+    backend0 = await trio.to_thread.run_sync(plugins.build_for, first, model_file)
     with single_exceptions(), _own_secret(config) as auth:
         async with trio.open_nursery() as nursery:
             infos = [StageInfo(0, first.layers, None, backend=first.backend)]
@@ -188,7 +175,7 @@ async def _start_stages(
             max_payload_bytes=payload_limit(model_file),
         )
         if config.mode == "inproc":
-            stage_backend = await trio.to_thread.run_sync(_build_backend, stage, model_file)
+            stage_backend = await trio.to_thread.run_sync(plugins.build_for, stage, model_file)
             address = await nursery.start(serve_stage, stage_backend, settings)
             started.append(
                 StageInfo(stage.index, stage.layers, address, os.getpid(), backend=stage.backend)

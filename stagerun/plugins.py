@@ -44,6 +44,7 @@ __all__ = [
     "PluginInfo",
     "backend",
     "build_backend",
+    "build_for",
     "drafter",
     "family",
     "installed",
@@ -407,6 +408,19 @@ def build_backend(
             raise PluginError(f"the {name} backend has no {flag} option (asked for {value!r})")
         options[option] = value
     return cls(model, layers, threads=threads, **options)
+
+
+def build_for(stage: Any, model: Any) -> Any:
+    """`build_backend` with a stage's own settings: those of a `StagePlan` or a `StageCompute`
+    (its ``backend``, ``layers``, ``threads``, ``device`` and ``flash_attention``)."""
+    return build_backend(
+        stage.backend,
+        model,
+        stage.layers,
+        threads=stage.threads,
+        device=stage.device,
+        flash_attention=stage.flash_attention,
+    )
 
 
 def takes(name: str, option: str) -> bool:

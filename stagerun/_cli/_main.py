@@ -201,14 +201,7 @@ async def _stage(args: argparse.Namespace) -> int:
     model = open_model(compute.model)
     if args.max_payload_bytes is None:  # what the model's longest message needs
         config = config.replace(max_payload_bytes=payload_limit(model))
-    backend = plugins.build_backend(
-        compute.backend,
-        model,
-        compute.layers,
-        threads=compute.threads,
-        device=compute.device,
-        flash_attention=compute.flash_attention,
-    )
+    backend = plugins.build_for(compute, model)
     async with trio.open_nursery() as nursery:
         address = await _listening(
             nursery,
