@@ -194,10 +194,11 @@ class SessionRows:
         first: its first row in the stack; rows: how many.
         keys: the keys it attends to, a whole number of blocks within the cache's capacity.
         windows: the attention windows of the graph's layers (0: none), one mask each.
+        flash: the masks are for ggml's flash attention (float16), else for its softmax.
     """
 
     __slots__ = ("buffers", "cache", "capacity", "first", "k", "k_rows", "keys", "masks",
-                 "rows", "v", "v_rows", "width")  # fmt: skip
+                 "rows", "v", "width")  # fmt: skip
 
     def __init__(self, graph: Graph, cache: GgmlKVCache, first: int, rows: int, keys: int,
                  windows: Sequence[int], *, flash: bool = True) -> None:  # fmt: skip
