@@ -404,8 +404,8 @@ def build_backend(
         if value is None:
             continue
         if not takes(name, option):
-            flag = "--" + option.replace("_", "-")
-            raise PluginError(f"the {name} backend has no {flag} option (asked for {value!r})")
+            what = option.replace("_", " ")
+            raise PluginError(f"the {name} backend has no {what} option (asked for {value!r})")
         options[option] = value
     return cls(model, layers, threads=threads, **options)
 

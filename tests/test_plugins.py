@@ -358,6 +358,13 @@ def test_takes_device_reads_the_backend_signature() -> None:
     assert plugins.takes_device("torch")
 
 
+def test_flash_attention_goes_only_to_a_backend_that_takes_it() -> None:
+    assert plugins.takes("ggml", "flash_attention")
+    assert not plugins.takes("numpy", "flash_attention")
+    with pytest.raises(plugins.PluginError, match="numpy backend has no flash attention option"):
+        plugins.build_backend("numpy", "unused", None, threads=None, flash_attention=False)
+
+
 def test_family_plugins_are_checked_by_name_and_type(
     fake_plugins: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
