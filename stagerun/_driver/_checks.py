@@ -67,6 +67,10 @@ def _supervision_ok(value: Any) -> bool:
     )
 
 
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
 def _names(value: Any) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
@@ -102,7 +106,7 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "backend": ("must be a backend plugin's name", _names),
     "backends": ("must be None or backend plugins' names", _optional(_name_list)),
     "device": ("must be None or a device name (cuda, cpu, ...)", _optional(_names)),
-    "flash_attention": ("must be None, True or False", lambda v: v is None or isinstance(v, bool)),
+    "flash_attention": ("must be None, True or False", _optional(_is_bool)),
     "recovery": (
         "must be None or a RecoveryPolicy of no negative counts or times",
         _optional(_recovery_ok),
@@ -115,7 +119,7 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
         "must be None or a positive number of seconds",
         _optional(_number(0.0, above=True)),
     ),
-    "prefix_cache": ("must be True or False", lambda v: isinstance(v, bool)),
+    "prefix_cache": ("must be True or False", _is_bool),
     "prefix_cache_mb": ("must not be negative (MiB)", _whole(0)),
     "chat_template": ("must be None or a template's text, not empty", _optional(_names)),
     "inline_compute_ms": ("must not be negative (milliseconds)", _number(0.0)),

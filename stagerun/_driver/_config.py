@@ -27,9 +27,7 @@ from typing import Any
 import attrs
 
 from .. import _proto, plugins
-from .._decide._prefill import (
-    ChunkPolicy,
-)
+from .._decide._prefill import ChunkPolicy
 from .._engine._config import (
     DEFAULT_INLINE_COMPUTE_MS,
     DEFAULT_MAX_KV_TOKENS,
@@ -369,7 +367,7 @@ def _backend_options(
     config: PipelineConfig, backends: list[str]
 ) -> tuple[list[str | None], list[bool | None]]:
     """Each stage's device and flash attention setting, None where its backend takes none."""
-    devices = [config.device if plugins.takes_device(name) else None for name in backends]
+    devices = [config.device if plugins.takes(name, "device") else None for name in backends]
     if config.device is not None and not any(devices):
         raise ValueError(
             f"--device {config.device} needs a backend with a device (torch); "
