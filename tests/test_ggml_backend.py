@@ -24,7 +24,8 @@ from _oracle import assert_varied
 from stagerun import plugins
 from stagerun.abc import ForwardItem
 from stagerun.backends import GgmlBackend, NumpyBackend
-from stagerun.backends._ggml import _backend, _graph, _lib
+from stagerun.backends._ggml import _backend, _cores, _graph, _lib
+from stagerun.backends._ggml._cores import HostCores
 from stagerun.model import FAMILIES, ModelFile, open_model
 from stagerun.testing import check_backend, check_family, write_tiny_model
 
@@ -433,14 +434,17 @@ def test_interrupt_stops_a_graph_between_its_nodes(smollm2: ModelFile) -> None:
     assert np.array_equal(again, fresh.forward(fresh.new_cache(), 0, tokens=tokens))
 
 
-def test_a_small_graph_after_an_idle_spell_runs_on_one_thread(
+def test_a_small_graph_after_the_host_idled_runs_on_one_thread(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Waking a sleeping core cost 10 ms on these VMs: a decode step that comes
-    `WAKE_IDLE_S` after the previous graph takes one thread; one right behind it, or a big
-    graph (a prefill), takes the stage's threads."""
+    `WAKE_IDLE_S` after the host's latest graph takes one thread; one right behind a graph of
+    its own or of another stage of the host, or a big graph (a prefill), takes the stage's
+    threads."""
     model = open_model(write_tiny_model(tmp_path / "tiny.gguf", n_layers=2))
     backend = GgmlBackend(model, threads=2)
+    backend._cores = HostCores(2, str(tmp_path / "cores"))  # this test's host alone
+    other_stage = HostCores(2, str(tmp_path / "cores"))
     asked: list[int] = []
     taken = backend._cores.taken
 
@@ -450,21 +454,26 @@ def test_a_small_graph_after_an_idle_spell_runs_on_one_thread(
 
     monkeypatch.setattr(backend._cores, "taken", recording)
     clock = [100.0]
-    monkeypatch.setattr(_backend.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(_cores.time, "monotonic", lambda: clock[0])
     cache = backend.new_cache()
 
     def step(position: int, tokens: int) -> None:
         ids = np.arange(1, tokens + 1, dtype=np.int64)
         backend.forward_batch([ForwardItem(cache, position, tokens=ids, logits="last")])
 
-    step(0, 1)  # the first graph: after an idle spell as long as the process
+    step(0, 1)  # the first graph: after an idle spell as long as the host's
     clock[0] += _backend.WAKE_IDLE_S / 2
     step(1, 1)  # right behind the previous one
     clock[0] += _backend.WAKE_IDLE_S * 1.5
     step(2, 1)  # after an idle spell
     clock[0] += _backend.WAKE_IDLE_S * 1.5
-    step(3, _backend.REUSE_ROWS + 1)  # a prefill chunk, after an idle spell
-    assert asked == [1, 2, 1, 2]
+    with other_stage.taken(1):  # another stage of the host computes, and ends
+        pass
+    clock[0] += _backend.WAKE_IDLE_S / 2
+    step(3, 1)  # this stage idled, the host did not
+    clock[0] += _backend.WAKE_IDLE_S * 1.5
+    step(4, _backend.REUSE_ROWS + 1)  # a prefill chunk, after an idle spell
+    assert asked == [1, 2, 1, 2, 2]
 
 
 LOCK_HELD = """

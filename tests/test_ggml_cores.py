@@ -22,6 +22,14 @@ def path(tmp_path: pathlib.Path) -> str:
     return str(tmp_path / "cores")
 
 
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The cores' monotonic clock, which the test moves on by hand."""
+    now = [100.0]
+    monkeypatch.setattr(_cores.time, "monotonic", lambda: now[0])
+    return now
+
+
 def test_a_stage_alone_takes_every_core_it_may_use(path: str) -> None:
     stage = HostCores(4, path)
     assert stage.shared
@@ -32,10 +40,8 @@ def test_a_stage_alone_takes_every_core_it_may_use(path: str) -> None:
 
 
 def test_a_stage_computes_on_one_thread_while_another_computes_and_for_a_while_after(
-    path: str, monkeypatch: pytest.MonkeyPatch
+    path: str, clock: list[float]
 ) -> None:
-    clock = [100.0]
-    monkeypatch.setattr(_cores.time, "monotonic", lambda: clock[0])
     first, second = HostCores(2, path), HostCores(2, path)
     with first.taken(2) as threads:
         assert threads == 2
@@ -48,6 +54,34 @@ def test_a_stage_computes_on_one_thread_while_another_computes_and_for_a_while_a
     clock[0] += _cores.SETTLE_S + 0.01
     with second.taken(2) as threads:
         assert threads == 2
+
+
+def test_the_host_idles_from_its_latest_graph_whichever_stage_ran_it(
+    path: str, clock: list[float]
+) -> None:
+    first, second = HostCores(2, path), HostCores(2, path)
+    assert first.idle_for() == second.idle_for() == 100.0  # no graph yet
+    with first.taken(2):
+        clock[0] += 1.0
+    clock[0] += 0.5
+    assert first.idle_for() == second.idle_for() == 0.5
+    with second.taken(1):
+        clock[0] += 0.25
+    assert first.idle_for() == second.idle_for() == 0.0
+    alone = HostCores(2, path + "-elsewhere")
+    clock[0] += 2.0
+    assert alone.idle_for() == 103.75 and first.idle_for() == 2.0
+
+
+def test_a_stage_without_the_file_idles_from_its_own_graphs(
+    tmp_path: pathlib.Path, clock: list[float]
+) -> None:
+    stage = HostCores(2, str(tmp_path / "missing" / "cores"))  # cannot be opened
+    assert not stage.shared
+    with stage.taken(2) as threads:
+        assert threads == 2
+    clock[0] += 0.5
+    assert stage.idle_for() == 0.5
 
 
 def test_cores_come_back_when_a_stage_closes_or_dies(path: str) -> None:

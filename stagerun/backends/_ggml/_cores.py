@@ -15,6 +15,12 @@ kernel drops it when the holder closes the file or dies, and two backends of one
 in the last `SETTLE_S`, the host is busy and the graph runs on one thread; if none did, it
 takes every free core up to the stage's thread count and runs on as many threads. It never
 waits: a graph that finds no free core runs on one thread without holding any.
+
+The same file keeps when the host's latest graph ended (`ENDED_AT`, written after every graph):
+a core that has had nothing to run for a while sleeps, and waking it is dear on a VM
+(`GgmlBackend` then computes a small graph on one thread). Whether it sleeps is the host's
+matter, not a stage's: three stages of one stream each wait two thirds of the time, while
+the host computes throughout.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ log = logging.getLogger(__name__)
 
 SETTLE_S: Final = 0.25
 """After it saw another graph on the host, a stage computes on one thread for this long."""
+ENDED_AT: Final = 4096
+"""Where in the lock file the end of the host's latest graph is kept (a float, monotonic s)."""
+_ENDED: Final = struct.Struct("d")
 
 # struct flock on Linux x86-64 and aarch64: l_type, l_whence, l_start, l_len, l_pid
 _FLOCK: Final = struct.Struct("hhqqi4x")
@@ -73,6 +82,7 @@ class HostCores:
         self._fd: int | None = None
         self._held: list[int] = []
         self._busy_until = 0.0
+        self._ended = 0.0  # this backend's latest graph, where the host's is not known
         self._next = os.getpid() % max(1, cores)  # stages start their search apart
         path = cores_path() if path is None else path
         if not hasattr(fcntl, "F_OFD_SETLK"):  # Linux only
@@ -108,7 +118,10 @@ class HostCores:
     def taken(self, want: int) -> Iterator[int]:
         """Hold up to ``want`` cores while the block runs; yields how many threads to use."""
         if self._fd is None or want < 1:
-            yield max(1, want)
+            try:
+                yield max(1, want)
+            finally:
+                self._ended = time.monotonic()
             return
         self._take(want)
         try:
@@ -117,6 +130,22 @@ class HostCores:
             for core in self._held:
                 self._release(core)
             self._held = []
+            self._ended = time.monotonic()
+            if self._fd is not None:  # not closed meanwhile
+                with contextlib.suppress(OSError):
+                    os.pwrite(self._fd, _ENDED.pack(self._ended), ENDED_AT)
+
+    def idle_for(self) -> float:
+        """Seconds since the latest graph on the host ended (this backend's own where the
+        host's is not known); a graph running now elsewhere is not counted."""
+        now = time.monotonic()
+        ended = self._ended
+        if self._fd is not None:
+            with contextlib.suppress(OSError, struct.error):
+                (host,) = _ENDED.unpack(os.pread(self._fd, _ENDED.size, ENDED_AT))
+                if 0.0 <= host <= now:  # not a torn or foreign value
+                    ended = max(ended, host)
+        return now - ended
 
     def _take(self, want: int) -> None:
         now = time.monotonic()
