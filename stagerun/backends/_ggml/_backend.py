@@ -20,15 +20,17 @@ share of the cores the process may use. Between graphs the threads sleep, in a p
 backend's own (`_sleeping_pool`): stages of one stream take turns, and each can then use
 every core while the others wait without polling.
 
-Waking them costs, though: on the 2-core VMs these numbers come from, a small graph on two
-threads after 20 ms or more without a graph took 10-12 ms instead of 1 (the idle core's
-vCPU is scheduled again first), where one thread took 1. A host with no graph for 20+ ms
-is one whose stages wait on links, so a small graph (`REUSE_ROWS` rows or fewer) that starts
+Waking them costs, though: on the 2-core VMs these numbers come from, a core the host left
+idle for 5 ms or more is often slow to come back (its vCPU is scheduled again first): 10
+layers of SmolLM2, one row, on two threads took 1.6-1.8 ms after 0-4 ms of idle host, and
+after 5-10 ms 1.8-2.5 ms at the median but 11-18 ms at the 90th percentile; one thread took
+2.1-3.8 ms with no such tail. So a small graph (`REUSE_ROWS` rows or fewer) that starts
 `WAKE_IDLE_S` or more after the host's latest graph ended (any stage's: `HostCores.idle_for`)
-runs on one thread; a big one (a prefill chunk) still takes every core it may. Judged by the
-stage's own previous graph instead, each of three stages of one stream whose token takes
-over 20 ms (Gemma 3 270M) computed on one thread while the host never rested: 32 tokens/s
-against 38-39.
+runs on one thread; a big one (a prefill chunk) still takes every core it may. The host, not
+the stage: three stages of one stream each idle two thirds of the time while the host
+computes throughout (judged by its own previous graph, 20 ms then, each of Gemma 3's stages
+computed on one thread: 32 tokens/s against 36); stages whose hops cross 5 ms links leave the
+host idle between graphs (two threads there: 20.5 tokens/s against one thread's 26.8).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ SEGMENT_ROW_LAYERS = 2048
 """Rows times layers per graph: a forward bigger than this is cut between layers (polled)."""
 REUSE_ROWS = 64
 """A graph of at most this many rows (decode steps, verify windows) is kept for the next."""
-WAKE_IDLE_S = 0.02
+WAKE_IDLE_S = 0.003
 """Seconds without a graph on the host after which a small graph runs on one thread."""
 REUSE_ROOM = 128
 """Positions of room a kept graph's attention is built with: steps it can serve again."""
