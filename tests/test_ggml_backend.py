@@ -434,13 +434,13 @@ def test_interrupt_stops_a_graph_between_its_nodes(smollm2: ModelFile) -> None:
     assert np.array_equal(again, fresh.forward(fresh.new_cache(), 0, tokens=tokens))
 
 
-def test_a_small_graph_after_the_host_idled_runs_on_one_thread(
+def test_a_quick_graph_after_the_host_idled_runs_on_one_thread(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Waking a sleeping core cost 10 ms on these VMs: a decode step that comes
-    `WAKE_IDLE_S` after the host's latest graph takes one thread; one right behind a graph of
-    its own or of another stage of the host, or a big graph (a prefill), takes the stage's
-    threads."""
+    """Waking a sleeping core cost 10 ms on these VMs: a kept graph that one thread computes
+    in under `ONE_THREAD_S`, coming `WAKE_IDLE_S` after the host's latest graph, takes one
+    thread; one right behind a graph of its own or of another stage of the host, a new graph,
+    a longer one or a big one (a prefill) takes the stage's threads."""
     model = open_model(write_tiny_model(tmp_path / "tiny.gguf", n_layers=2))
     backend = GgmlBackend(model, threads=2)
     backend._cores = HostCores(2, str(tmp_path / "cores"))  # this test's host alone
@@ -457,23 +457,25 @@ def test_a_small_graph_after_the_host_idled_runs_on_one_thread(
     monkeypatch.setattr(_cores.time, "monotonic", lambda: clock[0])
     cache = backend.new_cache()
 
-    def step(position: int, tokens: int) -> None:
+    def step(position: int, tokens: int, *, idle: float = 1.5) -> None:
+        clock[0] += _backend.WAKE_IDLE_S * idle
         ids = np.arange(1, tokens + 1, dtype=np.int64)
         backend.forward_batch([ForwardItem(cache, position, tokens=ids, logits="last")])
 
-    step(0, 1)  # the first graph: after an idle spell as long as the host's
-    clock[0] += _backend.WAKE_IDLE_S / 2
-    step(1, 1)  # right behind the previous one
-    clock[0] += _backend.WAKE_IDLE_S * 1.5
+    step(0, 1)  # after an idle spell, but the first graph: how long it takes is not known
+    step(1, 1, idle=0.5)  # right behind the previous one
     step(2, 1)  # after an idle spell
-    clock[0] += _backend.WAKE_IDLE_S * 1.5
     with other_stage.taken(1):  # another stage of the host computes, and ends
         pass
-    clock[0] += _backend.WAKE_IDLE_S / 2
-    step(3, 1)  # this stage idled, the host did not
-    clock[0] += _backend.WAKE_IDLE_S * 1.5
-    step(4, _backend.REUSE_ROWS + 1)  # a prefill chunk, after an idle spell
-    assert asked == [1, 2, 1, 2, 2]
+    step(3, 1, idle=0.5)  # this stage idled, the host did not
+    (kept,) = backend._graphs.values()
+    assert kept.thread_seconds is not None and kept.thread_seconds < _backend.ONE_THREAD_S
+    kept.thread_seconds = _backend.ONE_THREAD_S * 2  # as if it took one thread 20 ms
+    step(4, 1)  # after an idle spell, but long enough to be worth two threads
+    step(5, _backend.REUSE_ROWS + 1)  # a prefill chunk, after an idle spell
+    cache = backend.new_cache()  # another request: a new graph, judged by the latest kept
+    step(0, 1)
+    assert asked == [2, 2, 1, 2, 2, 2, 1]
 
 
 LOCK_HELD = """

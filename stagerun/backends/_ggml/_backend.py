@@ -24,19 +24,24 @@ Waking them costs, though: on the 2-core VMs these numbers come from, a core the
 idle for 5 ms or more is often slow to come back (its vCPU is scheduled again first): 10
 layers of SmolLM2, one row, on two threads took 1.6-1.8 ms after 0-4 ms of idle host, and
 after 5-10 ms 1.8-2.5 ms at the median but 11-18 ms at the 90th percentile; one thread took
-2.1-3.8 ms with no such tail. So a small graph (`REUSE_ROWS` rows or fewer) that starts
-`WAKE_IDLE_S` or more after the host's latest graph ended (any stage's: `HostCores.idle_for`)
-runs on one thread; a big one (a prefill chunk) still takes every core it may. The host, not
-the stage: three stages of one stream each idle two thirds of the time while the host
-computes throughout (judged by its own previous graph, 20 ms then, each of Gemma 3's stages
-computed on one thread: 32 tokens/s against 36); stages whose hops cross 5 ms links leave the
-host idle between graphs (two threads there: 20.5 tokens/s against one thread's 26.8).
+2.1-3.8 ms with no such tail. So a kept graph that one thread computes in under
+`ONE_THREAD_S` (a decode step or verify window of a stage's few layers) runs on one thread
+when it starts `WAKE_IDLE_S` or more after the host's latest graph ended (any stage's:
+`HostCores.idle_for`); a longer one (Gemma 3's whole model, 38 ms on one thread against 19
+on two) and a big one (a prefill chunk) take every core they may. A new kept graph (a
+request's first rows) is judged by the latest kept graph's time, the first of all by none.
+The host, not the stage: three stages of one stream each idle two thirds of the time while
+the host computes throughout (judged by its own previous graph, 20 ms then, each of Gemma 3's
+stages computed on one thread: 30 tokens/s against 36); stages whose hops cross 5 ms links
+leave the host idle between graphs (two threads there: 20.5 tokens/s against one thread's
+26.8).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -65,7 +70,9 @@ SEGMENT_ROW_LAYERS = 2048
 REUSE_ROWS = 64
 """A graph of at most this many rows (decode steps, verify windows) is kept for the next."""
 WAKE_IDLE_S = 0.003
-"""Seconds without a graph on the host after which a small graph runs on one thread."""
+"""Seconds without a graph on the host after which a quick graph runs on one thread."""
+ONE_THREAD_S = 0.01
+"""A kept graph one thread computes in less than this is quick (see above)."""
 REUSE_ROOM = 128
 """Positions of room a kept graph's attention is built with: steps it can serve again."""
 KEPT_GRAPHS = 4
@@ -139,6 +146,7 @@ class GgmlBackend(GgufLayers):
             lib.ggml_backend_cpu_set_threadpool(self._cpu, self._pool)
         self._allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
         self._graphs: dict[tuple[Any, ...], Built] = {}  # kept graphs, by their sessions
+        self._quick_cost: float | None = None  # the latest kept graph's `thread_seconds`
         self._finalizer = weakref.finalize(
             self, _free, lib, self._weights_ctx, self._weights_buffer, self._cpu,
             self._pool, self._allocator, self._graphs, self._cores,
@@ -380,15 +388,21 @@ class GgmlBackend(GgufLayers):
             ]
             built = self._build([items[k].cache for k in live], sizes, keys, picks, lo, hi, keep)
         try:
-            idle = keep and self._cores.idle_for() >= WAKE_IDLE_S
+            cost = built.thread_seconds if built.thread_seconds is not None else self._quick_cost
+            quick = keep and cost is not None and cost < ONE_THREAD_S
+            idle = quick and self._cores.idle_for() >= WAKE_IDLE_S
             with self._cores.taken(1 if idle else self.threads) as threads:
                 self._lib.ggml_backend_cpu_set_n_threads(self._cpu, threads)
+                started = time.perf_counter()
                 outputs = built.run(
                     self._cpu,
                     self._allocator,
                     [items[k].position for k in live],
                     [rows[k] for k in live],
                 )
+                built.thread_seconds = (time.perf_counter() - started) * threads
+            if keep:
+                self._quick_cost = built.thread_seconds
         except BaseException:
             built.close()
             raise

@@ -244,13 +244,16 @@ class Built:
         bounds: where each session's output rows start in ``out``, and where the last ends.
     """
 
-    __slots__ = ("bounds", "graph", "out", "picked", "sessions", "shape")
+    __slots__ = ("bounds", "graph", "out", "picked", "sessions", "shape", "thread_seconds")
 
     def __init__(self, graph: Graph, sessions: list[SessionRows], out: Any,
                  shape: tuple[int, int], picked: npt.NDArray[np.int32] | None,
                  bounds: list[int]) -> None:  # fmt: skip
         self.graph, self.sessions, self.out, self.shape = graph, sessions, out, shape
         self.picked, self.bounds = picked, bounds
+        # its latest compute's seconds times its threads: about what one thread takes, or
+        # more (None before its first compute); the backend's `WAKE_IDLE_S` rule reads it
+        self.thread_seconds: float | None = None
 
     def close(self) -> None:
         self.graph.close()
