@@ -17,7 +17,7 @@ about 1e-2 relative, the tokens with llama.cpp's.
 ggml's compute threads spin at every node's barrier, so a stage given more threads than it
 has idle cores slows down several-fold; `default_threads` gives each stage of the host its
 share of the cores the process may use. Between graphs the threads sleep, in a pool of the
-backend's own (`_sleeping_pool`): stages of one stream take turns, and each can then use
+backend's own (`sleeping_pool`): stages of one stream take turns, and each can then use
 every core while the others wait without polling.
 
 Waking them costs, though: on the 2-core VMs these numbers come from, a core the host left
@@ -56,7 +56,7 @@ from ...model import ModelFile
 from .._inputs import check_positions, forward_one, poll_stops, stage_input
 from .._layers import GgufLayers
 from ._blocks import Blocks, Layer
-from ._cores import HostCores
+from ._cores import HostCores, sleeping_pool
 from ._graph import Built, Graph, GraphAborted, SessionRows, key_blocks
 from ._kv import GgmlKVBlock, GgmlKVCache
 from ._lib import F32 as GGML_F32
@@ -141,7 +141,7 @@ class GgmlBackend(GgufLayers):
         self._abort = ffi.new("char[2]")
         strlen = ffi.cast("ggml_abort_callback", ffi.addressof(lib, "strlen"))
         lib.ggml_backend_cpu_set_abort_callback(self._cpu, strlen, self._abort)
-        self._pool = _sleeping_pool(ffi, lib, self.threads)
+        self._pool = sleeping_pool(ffi, lib, self.threads)
         if self._pool != ffi.NULL:
             lib.ggml_backend_cpu_set_threadpool(self._cpu, self._pool)
         self._allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
@@ -469,25 +469,6 @@ class GgmlBackend(GgufLayers):
             g.close()
             raise
         return Built(g, sessions, x, shape, picked, bounds)
-
-
-def _sleeping_pool(ffi: Any, lib: Any, threads: int) -> Any:
-    """A pool of ``threads`` compute threads that sleep between graphs; NULL for one thread.
-
-    Without a pool of its own, ggml starts fresh threads for every graph, which poll for work
-    at the default level: measured with three stage processes sharing two cores, one stream
-    decoded 22 tokens/s with two threads per stage against 62 with one, the waiting threads
-    taking the cores from the stage that computes. Sleeping (``poll`` 0) between graphs gave
-    86 with two, and one stage went from 90 to 105 (the threads are started once).
-    """
-    if threads <= 1:
-        return ffi.NULL
-    params = ffi.new("struct ggml_threadpool_params *", lib.ggml_threadpool_params_default(threads))
-    params.poll = 0
-    pool = lib.ggml_threadpool_new(params)
-    if pool == ffi.NULL:
-        raise MemoryError(f"ggml could not start a pool of {threads} threads")
-    return pool
 
 
 def _free(lib: Any, ctx: Any, buffer: Any, backend: Any, pool: Any, allocator: Any,

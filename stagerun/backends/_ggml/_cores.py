@@ -1,4 +1,5 @@
-"""The host's cores, shared by the ggml stages running on it: one lock per core.
+"""The host's cores, shared by the ggml stages running on it (one lock per core), and each
+backend's own pool of compute threads (`sleeping_pool`).
 
 Theory of operation. ggml's compute threads wait for each other at every node of a graph by
 spinning, so a graph on two threads stalls whenever one of them is not running, and a host
@@ -34,9 +35,9 @@ import struct
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["HostCores", "cores_path", "shares_cores"]
+__all__ = ["HostCores", "cores_path", "shares_cores", "sleeping_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +182,22 @@ class HostCores:
     def _release(self, core: int) -> None:
         assert self._fd is not None
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, 0, core, 1, 0))
+
+
+def sleeping_pool(ffi: Any, lib: Any, threads: int) -> Any:
+    """A pool of ``threads`` compute threads that sleep between graphs; NULL for one thread.
+
+    Without a pool of its own, ggml starts fresh threads for every graph, which poll for work
+    at the default level: measured with three stage processes sharing two cores, one stream
+    decoded 22 tokens/s with two threads per stage against 62 with one, the waiting threads
+    taking the cores from the stage that computes. Sleeping (``poll`` 0) between graphs gave
+    86 with two, and one stage went from 90 to 105 (the threads are started once).
+    """
+    if threads <= 1:
+        return ffi.NULL
+    params = ffi.new("struct ggml_threadpool_params *", lib.ggml_threadpool_params_default(threads))
+    params.poll = 0
+    pool = lib.ggml_threadpool_new(params)
+    if pool == ffi.NULL:
+        raise MemoryError(f"ggml could not start a pool of {threads} threads")
+    return pool
