@@ -146,7 +146,6 @@ class GgmlBackend(GgufLayers):
             lib.ggml_backend_cpu_set_threadpool(self._cpu, self._pool)
         self._allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
         self._graphs: dict[tuple[Any, ...], Built] = {}  # kept graphs, by their sessions
-        self._quick_cost: float | None = None  # the latest kept graph's `thread_seconds`
         self._finalizer = weakref.finalize(
             self, _free, lib, self._weights_ctx, self._weights_buffer, self._cpu,
             self._pool, self._allocator, self._graphs, self._cores,
@@ -388,7 +387,9 @@ class GgmlBackend(GgufLayers):
             ]
             built = self._build([items[k].cache for k in live], sizes, keys, picks, lo, hi, keep)
         try:
-            cost = built.thread_seconds if built.thread_seconds is not None else self._quick_cost
+            cost = built.thread_seconds
+            if cost is None and self._graphs:  # a new graph: judged by the latest kept one
+                cost = next(reversed(self._graphs.values())).thread_seconds
             quick = keep and cost is not None and cost < ONE_THREAD_S
             idle = quick and self._cores.idle_for() >= WAKE_IDLE_S
             with self._cores.taken(1 if idle else self.threads) as threads:
@@ -401,8 +402,6 @@ class GgmlBackend(GgufLayers):
                     [rows[k] for k in live],
                 )
                 built.thread_seconds = (time.perf_counter() - started) * threads
-            if keep:
-                self._quick_cost = built.thread_seconds
         except BaseException:
             built.close()
             raise
