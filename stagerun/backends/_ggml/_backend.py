@@ -60,7 +60,8 @@ from ._cores import HostCores, sleeping_pool
 from ._graph import Built, Graph, GraphAborted, SessionRows, key_blocks
 from ._kv import GgmlKVBlock, GgmlKVCache
 from ._lib import F32 as GGML_F32
-from ._lib import I32, load, unavailable
+from ._lib import I32, check_row_kernels, load, openmp, unavailable
+from ._omp import on_compute_thread
 
 __all__ = ["GgmlBackend"]
 
@@ -158,6 +159,10 @@ class GgmlBackend(GgufLayers):
         self._embd = tensors.get("token_embd.weight")
         self._embd_scale = float(np.float32(np.sqrt(c.d_model))) if family.embedding_scale else 0.0
         head = "token_embd.weight" if c.tied_output else "output.weight"
+        matrices = {n: t.type for n, t in tensors.items() if t.ne[1] > 1 and n.startswith("blk.")}
+        if self.is_last:
+            matrices[head] = tensors[head].type
+        check_row_kernels(lib, matrices, flash=flash_attention)
         self._ops = Blocks(
             lib, c,
             factors=tensors.get("rope_freqs.weight"),
@@ -395,11 +400,10 @@ class GgmlBackend(GgufLayers):
             with self._cores.taken(1 if idle else self.threads) as threads:
                 self._lib.ggml_backend_cpu_set_n_threads(self._cpu, threads)
                 started = time.perf_counter()
-                outputs = built.run(
-                    self._cpu,
-                    self._allocator,
-                    [items[k].position for k in live],
-                    [rows[k] for k in live],
+                positions, inputs = [items[k].position for k in live], [rows[k] for k in live]
+                outputs = on_compute_thread(  # with an OpenMP ggml: one thread computes all
+                    openmp(self._lib),
+                    lambda: built.run(self._cpu, self._allocator, positions, inputs),
                 )
                 built.thread_seconds = (time.perf_counter() - started) * threads
         except BaseException:

@@ -8,6 +8,13 @@ whose ``struct ggml_tensor`` is not the one declared here, before anything is ca
 
 The build in the wheel needs AVX2, FMA and F16C on x86 (it has no fallback and would die of
 an illegal instruction); `unavailable` says why ggml cannot run here, or None.
+
+``STAGERUN_GGML_LIBRARY`` (`LIBRARY_ENV`) names another build's ``libggml.so`` instead: one
+compiled for this CPU (llama.cpp's, with AVX-512 and llamafile's kernels, computes a step
+5-11% faster here than the wheel's; docs/deployment.md). It must be a release whose API, as
+far as `CDEF` declares it, is the wheel's (`COMPATIBLE_VERSIONS`), and a build with
+llamafile's kernels is refused for what those kernels would compute differently at one row
+and at several (`check_row_kernels`).
 """
 
 from __future__ import annotations
@@ -18,16 +25,33 @@ import pathlib
 import platform
 from typing import Any, Final
 
-__all__ = ["GGML_VERSION", "GgmlUnavailableError", "load", "unavailable"]
+__all__ = [
+    "COMPATIBLE_VERSIONS",
+    "GGML_VERSION",
+    "LIBRARY_ENV",
+    "GgmlUnavailableError",
+    "check_row_kernels",
+    "load",
+    "openmp",
+    "unavailable",
+]
 
 GGML_VERSION: Final = "0.20.2"
 """The ggml release the declarations below were written from (``libggml-python`` 0.20.2.*)."""
+
+COMPATIBLE_VERSIONS: Final = frozenset({GGML_VERSION, "0.25.3"})
+"""The releases `LIBRARY_ENV` may name: 0.25.3 (llama.cpp's build in ``make test``) declares
+every function and struct of `CDEF` as 0.20.2 does (its headers compared, 2026-12-06)."""
+
+LIBRARY_ENV: Final = "STAGERUN_GGML_LIBRARY"
+"""The environment variable naming a ggml build's ``libggml.so`` to load instead of the
+wheel's; its folder must hold ``libggml-base.so.0`` and ``libggml-cpu.so.0`` beside it."""
 
 TENSOR_SIZE: Final = 336  # sizeof(struct ggml_tensor) in 0.20.2
 TENSOR_OVERHEAD: Final = 368  # ggml_tensor_overhead(): the tensor and its object header
 
 # Types as ggml numbers them (enum ggml_type).
-F32, F16, I32, I64 = 0, 1, 26, 27
+F32, F16, I32, I64, BF16 = 0, 1, 26, 27, 30
 ROPE_NORMAL, ROPE_NEOX = 0, 2
 
 CDEF: Final = """
@@ -183,6 +207,7 @@ size_t strlen(const char * s);
 int ggml_cpu_has_avx2(void);
 int ggml_cpu_has_fma(void);
 int ggml_cpu_has_f16c(void);
+int ggml_cpu_has_llamafile(void);
 
 size_t ggml_quantize_chunk(
     int type, const float * src, void * dst, int64_t start, int64_t nrows, int64_t n_per_row,
@@ -223,7 +248,8 @@ def load() -> tuple[Any, Any]:
 
     Raises:
         GgmlUnavailableError: the wheel or cffi is missing, this is not a Linux x86-64 CPU
-            with AVX2, FMA and F16C, or the library is not ggml `GGML_VERSION`.
+            with AVX2, FMA and F16C, or the library is not ggml `GGML_VERSION` (one of
+            `COMPATIBLE_VERSIONS` for a build `LIBRARY_ENV` names).
     """
     if os.environ.get("STAGERUN_NO_GGML"):
         raise GgmlUnavailableError("STAGERUN_NO_GGML is set")
@@ -238,14 +264,12 @@ def load() -> tuple[Any, Any]:
         raise GgmlUnavailableError(
             f"this CPU lacks {', '.join(m.upper() for m in missing)}, which the prebuilt ggml needs"
         )
+    own = os.environ.get(LIBRARY_ENV)
+    where = _own_folder(own) if own else _wheel_folder()
     try:
         import cffi
-        import libggml
-    except ImportError as exc:
-        raise GgmlUnavailableError(
-            f"{exc.name} is not installed (pip install 'libggml-python=={GGML_VERSION}.*' cffi)"
-        ) from None
-    where = pathlib.Path(libggml.__file__).parent / "lib64"
+    except ImportError:
+        raise GgmlUnavailableError("cffi is not installed (pip install cffi)") from None
     ffi = cffi.FFI()
     ffi.cdef(CDEF)
     try:
@@ -255,7 +279,12 @@ def load() -> tuple[Any, Any]:
         raise GgmlUnavailableError(f"the ggml libraries in {where} do not load: {exc}") from None
     _bind_every_name(lib, where)
     version = ffi.string(lib.ggml_version()).decode()
-    if version != GGML_VERSION:
+    if own and version not in COMPATIBLE_VERSIONS:
+        raise GgmlUnavailableError(
+            f"{LIBRARY_ENV} names ggml {version}; stagerun declares the API of ggml "
+            f"{', '.join(sorted(COMPATIBLE_VERSIONS))}"
+        )
+    if not own and version != GGML_VERSION:
         raise GgmlUnavailableError(
             f"libggml-python holds ggml {version}; stagerun declares ggml {GGML_VERSION}'s API "
             f"(pip install 'libggml-python=={GGML_VERSION}.*')"
@@ -268,7 +297,73 @@ def load() -> tuple[Any, Any]:
         )
     if not (lib.ggml_cpu_has_avx2() and lib.ggml_cpu_has_fma() and lib.ggml_cpu_has_f16c()):
         raise GgmlUnavailableError("the ggml CPU library was built without AVX2, FMA or F16C")
+    _OPENMP[id(lib)] = b"libgomp.so" in (path.parent / _private(_SONAMES[2])).read_bytes()
     return ffi, lib
+
+
+_OPENMP: dict[int, bool] = {}
+
+
+def openmp(lib: Any) -> bool:
+    """Whether ``lib`` (from `load`) runs a graph's threads as an OpenMP team (`_omp`)."""
+    return _OPENMP[id(lib)]
+
+
+def check_row_kernels(lib: Any, matrices: dict[str, int], *, flash: bool) -> None:
+    """Refuse what ``lib`` would compute differently for a row alone and among others.
+
+    A build with llamafile's kernels multiplies by a matrix of two rows and more with them,
+    and by one row with ggml's own: for 8-bit blocks (Q8_0, Q4_0, Q5_0 weights) both sum
+    alike, bitwise, but not for float weights (F32, F16, BF16), nor for attention scores
+    without flash attention (a float16 cache times the queries): there a decode step would
+    differ from the same row in a prefill, and batched from solo.
+
+    Args:
+        lib: the loaded library (`load`).
+        matrices: the type (enum ggml_type) of each weight matrix the stage multiplies by.
+        flash: whether the stage attends with flash attention.
+
+    Raises:
+        ValueError: ``lib`` has llamafile's kernels, and a matrix is of a float type or
+            ``flash`` is off.
+    """
+    if not lib.ggml_cpu_has_llamafile():
+        return
+    floats = sorted(name for name, kind in matrices.items() if kind in (F32, F16, BF16))
+    if floats:
+        what = f"float weights ({', '.join(floats[:3])}{', ...' if len(floats) > 3 else ''})"
+    elif not flash:
+        what = "attention without flash attention"
+    else:
+        return
+    raise ValueError(
+        f"the ggml build {LIBRARY_ENV} names multiplies with llamafile's kernels, whose sums "
+        f"for {what} depend on how many rows are computed together (batched and chunked rows "
+        f"would not be bitwise the same); unset {LIBRARY_ENV} to use the wheel's ggml"
+    )
+
+
+def _wheel_folder() -> pathlib.Path:
+    try:
+        import libggml
+    except ImportError as exc:
+        raise GgmlUnavailableError(
+            f"{exc.name} is not installed (pip install 'libggml-python=={GGML_VERSION}.*' cffi)"
+        ) from None
+    return pathlib.Path(libggml.__file__).parent / "lib64"
+
+
+def _own_folder(named: str) -> pathlib.Path:
+    """The folder of the build `LIBRARY_ENV` names, once it holds the three libraries."""
+    path = pathlib.Path(named).expanduser()
+    lacking = [s.decode() for s in _SONAMES if not (path.parent / s.decode()).exists()]
+    if not path.name.startswith("libggml.so") or not path.exists() or lacking:
+        raise GgmlUnavailableError(
+            f"{LIBRARY_ENV}={named} is not a shared ggml build's libggml.so beside "
+            f"{' and '.join(s.decode() for s in _SONAMES[1:])}"
+            + (f" (no {', '.join(lacking)})" if lacking else "")
+        )
+    return path.parent
 
 
 def _bind_every_name(lib: Any, where: pathlib.Path) -> None:
@@ -288,42 +383,48 @@ def _bind_every_name(lib: Any, where: pathlib.Path) -> None:
             raise GgmlUnavailableError(f"the ggml library in {where} lacks {name}: {exc}") from None
 
 
-# The sonames of the wheel's libraries, and the ones stagerun's private copies carry (the same
-# length, so that the ELF string tables can be patched in place).
-_SONAMES: Final = {
-    b"libggml-base.so.0": b"libggmS-base.so.0",
-    b"libggml-cpu.so.0": b"libggmS-cpu.so.0",
-    b"libggml.so.0": b"libggmS.so.0",
-}
+# The sonames of the libraries a ggml build needs (the wheel's, all of them); stagerun's
+# private copies carry ``libggmS`` instead of ``libggml`` (the same length, so that the ELF
+# string tables can be patched in place).
+_SONAMES: Final = (b"libggml.so.0", b"libggml-base.so.0", b"libggml-cpu.so.0")
 
 
 def _private_copy(where: pathlib.Path) -> pathlib.Path:
-    """The wheel's libraries copied under sonames of their own: the main one's path.
+    """The build's libraries copied under sonames of their own: the main one's path.
 
     Packages that ship ggml name its libraries alike (llama-cpp-python's ``libggml-base.so.0``
     is another ggml under the same soname), and the dynamic linker reuses a loaded library
     whose soname matches, whatever the flags: so two ggmls in one process would get one.
-    The copies (2.5 MB, in ``$STAGERUN_CACHE/ggml``, made once) name themselves and each
-    other ``libggmS...``; loaded with RTLD_DEEPBIND they also bind ggml's symbols among
-    themselves, not to another ggml already loaded globally.
+    The copies (2.5 MB for the wheel's, in ``$STAGERUN_CACHE/ggml``, made once) name
+    themselves and each other ``libggmS...``; loaded with RTLD_DEEPBIND they also bind ggml's
+    symbols among themselves, not to another ggml already loaded globally. A build's other
+    ggml libraries beside them (llama.cpp's ``libggml-rpc.so.0``, which its ``libggml.so.0``
+    links) are copied alike.
     """
     import hashlib
 
-    sources = {soname: (where / soname.decode()).resolve() for soname in _SONAMES}
+    others = sorted(p.name.encode() for p in where.glob("libggml-*.so.0"))
+    sonames = list(dict.fromkeys([*_SONAMES, *others]))
+    sources = {soname: (where / soname.decode()).resolve() for soname in sonames}
     digest = hashlib.sha256()
     for path in sources.values():
         digest.update(path.read_bytes())
     root = pathlib.Path(os.environ.get("STAGERUN_CACHE") or "~/.cache/stagerun").expanduser()
-    folder = root / "ggml" / f"{GGML_VERSION}-{digest.hexdigest()[:16]}"
+    folder = root / "ggml" / digest.hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
     for soname, path in sources.items():
-        target = folder / _SONAMES[soname].decode()
+        target = folder / _private(soname)
         if target.exists():
             continue
         data = path.read_bytes()
-        for old, new in _SONAMES.items():
-            data = data.replace(old + b"\0", new + b"\0")
+        for old in sonames:
+            data = data.replace(old + b"\0", _private(old).encode() + b"\0")
         partial = target.with_name(f".{target.name}.{os.getpid()}")
         partial.write_bytes(data)
         partial.rename(target)  # atomic: a stage starting beside never sees half a file
-    return folder / _SONAMES[b"libggml.so.0"].decode()
+    return folder / _private(_SONAMES[0])
+
+
+def _private(soname: bytes) -> str:
+    """The name of a library's private copy: ``libggml-cpu.so.0`` -> ``libggmS-cpu.so.0``."""
+    return "libggmS" + soname.decode().removeprefix("libggml")
