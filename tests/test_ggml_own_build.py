@@ -55,6 +55,7 @@ def test_the_backend_s_exactness_holds_on_llama_cpp_s_ggml() -> None:
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["0.25.3", "1"], out.stdout + out.stderr
+    assert "is a ggml built with OpenMP" in out.stderr  # llama.cpp's default: it says so
     selected = " or ".join(f"({name})" for name in EXACTNESS)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",

@@ -20,6 +20,7 @@ and at several (`check_row_kernels`).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import pathlib
 import platform
@@ -298,6 +299,14 @@ def load() -> tuple[Any, Any]:
     if not (lib.ggml_cpu_has_avx2() and lib.ggml_cpu_has_fma() and lib.ggml_cpu_has_f16c()):
         raise GgmlUnavailableError("the ggml CPU library was built without AVX2, FMA or F16C")
     _OPENMP[id(lib)] = b"libgomp.so" in (path.parent / _private(_SONAMES[2])).read_bytes()
+    if _OPENMP[id(lib)]:
+        logging.getLogger(__name__).warning(
+            "%s=%s is a ggml built with OpenMP, whose threads spin against the other stages "
+            "of a host: fine for one stage per host, slower for several (docs/models.md); "
+            "cmake -DGGML_OPENMP=OFF builds one without",
+            LIBRARY_ENV,
+            own,
+        )
     return ffi, lib
 
 
@@ -422,7 +431,17 @@ def _private_copy(where: pathlib.Path) -> pathlib.Path:
         partial = target.with_name(f".{target.name}.{os.getpid()}")
         partial.write_bytes(data)
         partial.rename(target)  # atomic: a stage starting beside never sees half a file
+    # loaded first, the base then the others: the main one's links then find them by soname,
+    # whether or not the build looks beside itself for its libraries (RUNPATH $ORIGIN)
+    import ctypes
+
+    for soname in [_SONAMES[1], *(s for s in sonames if s not in _SONAMES[:2])]:
+        _LOADED.append(ctypes.CDLL(str(folder / _private(soname)), _LOCAL))
     return folder / _private(_SONAMES[0])
+
+
+_LOADED: list[Any] = []  # the libraries the main one links, loaded by `_private_copy`
+_LOCAL: Final = os.RTLD_NOW | os.RTLD_LOCAL | os.RTLD_DEEPBIND
 
 
 def _private(soname: bytes) -> str:
