@@ -436,11 +436,12 @@ def _private_copy(where: pathlib.Path) -> pathlib.Path:
     import ctypes
 
     for soname in [_SONAMES[1], *(s for s in sonames if s not in _SONAMES[:2])]:
-        _LOADED.append(ctypes.CDLL(str(folder / _private(soname)), _LOCAL))
+        copy = str(folder / _private(soname))
+        _LOADED[copy] = _LOADED.get(copy) or ctypes.CDLL(copy, _LOCAL)
     return folder / _private(_SONAMES[0])
 
 
-_LOADED: list[Any] = []  # the libraries the main one links, loaded by `_private_copy`
+_LOADED: dict[str, Any] = {}  # the libraries the main ones link, by path (`_private_copy`)
 _LOCAL: Final = os.RTLD_NOW | os.RTLD_LOCAL | os.RTLD_DEEPBIND
 
 
