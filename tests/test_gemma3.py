@@ -171,12 +171,15 @@ async def test_one_two_and_three_stages_give_the_same_tokens(
     kind: str, backend: NumpyBackend, gemma: ModelFile
 ) -> None:
     """2 stages split between local layer 4 and global 5; of 3, the middle holds local layers
-    only (6..10) and the last starts at the global layer 11. One stage is the whole model."""
+    only (6..10) and the last starts at the global layer 11. One stage is the whole model.
+    numpy (float32 Gemma 3 in every stage: 20 s a pipeline to load) runs the 3 stages only,
+    whose splits cover both sides of a global layer."""
     prompt = PROMPTS[1]
     whole = backend if kind == "numpy" else GgmlBackend(gemma, threads=2)
     alone, _ = greedy(whole, gemma.tokenizer.encode(prompt))
     assert_varied(alone)
-    for layers in ([(0, 5), (5, 18)], [(0, 6), (6, 11), (11, 18)]):
+    splits = [[(0, 5), (5, 18)], [(0, 6), (6, 11), (11, 18)]]
+    for layers in splits[1:] if kind == "numpy" else splits:
         async with open_pipeline(gemma, layers=layers, threads=2, backend=kind) as pipeline:
             result = await pipeline.complete(prompt, max_tokens=N_NEW, ignore_eog=True)
         assert result.token_ids == alone, layers
