@@ -29,6 +29,7 @@ from stagerun._cli._bench._serve import (
 from stagerun._cli._bench._servers import llama_command, serve_command, stage_pids
 from stagerun._cli._main import main
 from stagerun._cli._options import build_parser
+from stagerun.backends._ggml import _lib
 
 LLAMA_SERVER = pathlib.Path(__file__).parent.parent / ".cache/llama.cpp/bin/llama-server"
 LEVEL_KEYS = {
@@ -63,9 +64,37 @@ def test_bench_serve_reports_a_curve_with_no_mismatches(
     report = json.loads(capsys.readouterr().out)
     assert report["benchmark"] == "serve" and report["stages"] == 3
     assert report["prompts"] == 2 and report["mismatches"] == 0
-    assert report["llama_server"] is None
+    assert report["llama_server"] is None and report["ggml_library"] is None
     _check_curve(report["stagerun"], stages=3)
     assert all(row["mismatches"] == 0 for row in report["stagerun"]["levels"])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads CPU time from /proc (Linux)")
+def test_a_named_ggml_build_serves_every_stage_and_the_report_says_which(
+    tiny_model_path: pathlib.Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: pathlib.Path,
+) -> None:
+    """`STAGERUN_GGML_LIBRARY` reaches the processes that compute: here it names a copy of
+    the wheel's build (the one a tiny float model may run on) a byte longer, whose private
+    copy, made where it is loaded, is then found in a fresh `STAGERUN_CACHE`."""
+    wheel = pathlib.Path(_lib._wheel_folder())
+    build = tmp_path / "build"
+    build.mkdir()
+    for name in ("libggml.so.0", "libggml-base.so.0", "libggml-cpu.so.0"):
+        (build / name).write_bytes((wheel / name).read_bytes())
+    with (build / "libggml.so.0").open("ab") as main_library:
+        main_library.write(b"\0")  # a build of its own: another digest, another private copy
+    named = str(build / "libggml.so.0")
+    monkeypatch.setenv(_lib.LIBRARY_ENV, named)
+    monkeypatch.setenv("STAGERUN_CACHE", str(tmp_path / "cache"))
+    assert main(_bench(tiny_model_path, "--stages", "2")) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ggml_library"] == named and report["mismatches"] == 0
+    _check_curve(report["stagerun"], stages=2)
+    (copy,) = (tmp_path / "cache" / "ggml").glob("*/libggmS.so.0")
+    assert copy.stat().st_size == (wheel / "libggml.so.0").stat().st_size + 1
 
 
 @pytest.mark.llama_cpp

@@ -35,6 +35,7 @@ import trio
 
 from ..._errors import StagerunError
 from ..._util import cpu_seconds
+from ...backends._ggml._lib import LIBRARY_ENV
 from ._common import http_exchange, say
 from ._rpc import rpc_binaries
 from ._servers import (
@@ -352,6 +353,8 @@ def _print_report(report: Mapping[str, Any]) -> None:
           f"{report['requests_per_client']} requests per client, hop delay "
           f"{report['hop_delay_ms']:g} ms, speculative {report['speculative']}; latencies "
           "are p50/p99, busy is CPU seconds per second of each stage process")  # fmt: skip
+    if report.get("ggml_library"):
+        print(f"ggml stages computed on {report['ggml_library']} ({LIBRARY_ENV})")
     curves: dict[str, Mapping[str, Any]] = {
         name: report[key] for name, key in CURVES if report.get(key) is not None
     }

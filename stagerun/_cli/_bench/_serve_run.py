@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
+from ...backends._ggml._lib import LIBRARY_ENV
 from ._common import say
 from ._rpc import rpc_binaries, rpc_split
 from ._serve import (
@@ -139,6 +141,7 @@ async def bench_serve(args: argparse.Namespace) -> int:
         "requests_per_client": args.requests_per_client, "hop_delay_ms": args.hop_delay_ms,
         "speculative": args.speculative, "max_batch": args.max_batch, "prompts": len(prompts),
         "prompt_kind": args.prompts, "rounds": args.rounds,
+        "ggml_library": os.environ.get(LIBRARY_ENV),  # None: the wheel's (or no ggml)
     }  # fmt: skip
     report.update(await measure_systems(args, prompts))
     report["mismatches"] = sum(row["mismatches"] for row in report["stagerun"]["levels"])
