@@ -131,3 +131,26 @@ def test_with_openmp_every_graph_is_computed_on_one_thread_whoever_asks() -> Non
     with pytest.raises(ZeroDivisionError):
         on_compute_thread(True, lambda: 1 // 0)
     assert on_compute_thread(True, work) == 6  # the thread lives on after a failure
+
+
+def test_a_build_that_does_not_look_beside_itself_for_its_libraries_loads(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A ggml built in its own tree links its libraries by the build's path, not ``$ORIGIN``
+    (here the wheel's, that string overwritten): the private copies are loaded base first,
+    so the main one's links find them by soname (in a fresh process: one that loaded the
+    wheel already holds a library of that soname)."""
+    build = tmp_path / "build"
+    build.mkdir()
+    for name in ("libggml.so.0", "libggml-base.so.0", "libggml-cpu.so.0"):
+        data = (WHEEL_GGML.parent / name).read_bytes()
+        assert b"$ORIGIN\0" in data
+        (build / name).write_bytes(data.replace(b"$ORIGIN\0", b"/nowher\0"))
+    env = {
+        **os.environ,
+        LIBRARY_ENV: str(build / "libggml.so.0"),
+        "STAGERUN_CACHE": str(tmp_path / "cache"),
+    }
+    probe = "from stagerun.backends._ggml._lib import load; load()"
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
