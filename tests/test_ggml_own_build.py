@@ -22,6 +22,7 @@ import pytest
 from stagerun.backends._ggml import _lib
 from stagerun.backends._ggml._lib import BF16, F16, F32, LIBRARY_ENV, check_row_kernels
 from stagerun.backends._ggml._omp import on_compute_thread
+from stagerun.model import ModelFile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LLAMA_GGML = ROOT / ".cache" / "llama.cpp" / "bin" / "libggml.so"
@@ -154,3 +155,26 @@ def test_a_build_that_does_not_look_beside_itself_for_its_libraries_loads(
     probe = "from stagerun.backends._ggml._lib import load; load()"
     run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_backend_checks_every_matrix_it_multiplies_by_and_no_other(
+    monkeypatch: pytest.MonkeyPatch, smollm2: ModelFile
+) -> None:
+    """Its layers' matrices (not their norms), the head on the last stage only (SmolLM2's is
+    the tied embedding table, which the first stage only looks rows up in), and the flag."""
+    from stagerun.backends import GgmlBackend
+    from stagerun.backends._ggml import _backend
+
+    seen: list[tuple[dict[str, int], bool]] = []
+    monkeypatch.setattr(
+        _backend, "check_row_kernels", lambda lib, m, *, flash: seen.append((m, flash))
+    )
+    GgmlBackend(smollm2, (0, 2))
+    GgmlBackend(smollm2, (28, 30), flash_attention=False)
+    (first, flash_first), (last, flash_last) = seen
+    per_layer = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+    assert {n.split(".")[2] for n in first} == per_layer and "token_embd.weight" not in first
+    assert {int(n.split(".")[1]) for n in first} == {0, 1}
+    assert {n for n in last if not n.startswith("blk.")} == {"token_embd.weight"}
+    assert last["token_embd.weight"] == 8 and first["blk.0.attn_q.weight"] == 3  # Q8_0, Q4_1
+    assert (flash_first, flash_last) == (True, False)
