@@ -146,6 +146,7 @@ class GgmlBackend(GgufLayers):
         if self._pool != ffi.NULL:
             lib.ggml_backend_cpu_set_threadpool(self._cpu, self._pool)
         self._allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
+        self._openmp = openmp(lib)  # every graph on one compute thread (`_omp`)
         self._graphs: dict[tuple[Any, ...], Built] = {}  # kept graphs, by their sessions
         self._finalizer = weakref.finalize(
             self, _free, lib, self._weights_ctx, self._weights_buffer, self._cpu,
@@ -401,8 +402,8 @@ class GgmlBackend(GgufLayers):
                 self._lib.ggml_backend_cpu_set_n_threads(self._cpu, threads)
                 started = time.perf_counter()
                 positions, inputs = [items[k].position for k in live], [rows[k] for k in live]
-                outputs = on_compute_thread(  # with an OpenMP ggml: one thread computes all
-                    openmp(self._lib),
+                outputs = on_compute_thread(
+                    self._openmp,
                     lambda: built.run(self._cpu, self._allocator, positions, inputs),
                 )
                 built.thread_seconds = (time.perf_counter() - started) * threads
