@@ -165,6 +165,7 @@ def test_a_prompt_computes_the_same_in_any_chunks_and_would_not_without_key_bloc
     # attend to exactly the keys a chunk reaches (no blocks, and no room for a kept graph)
     monkeypatch.setattr(_graph, "KEY_BLOCK", 1)
     monkeypatch.setattr(_backend, "REUSE_ROOM", 0)
+    backend = GgmlBackend(smollm2, (0, 4), flash_attention=False)  # no graphs kept from before
     assert not np.array_equal(_chunked(backend, ids, [7, 60, 83]), whole)
 
 
@@ -238,9 +239,9 @@ def test_decode_steps_reuse_a_kept_graph_and_compute_what_one_whole_forward_does
     monkeypatch.setattr(GgmlBackend, "_build", counted)
     backend = GgmlBackend(smollm2, layers, threads=1)
     steps = _steps(backend, inputs, 230)[230:]
-    # the prompt's graph, then one at step 230 (keys to 256, the cache's first capacity), at
-    # 256 (the cache grows: new memory; keys to 384) and at 384 (keys run out): no others
-    assert len(builds) == 4, f"{len(builds) - 1} graphs built for 190 steps"
+    # the prompt's graph, then one at step 230 (keys to 320) and one at 320 (keys run out;
+    # to 448): no others
+    assert len(builds) == 3, f"{len(builds) - 1} graphs built for 190 steps"
     assert backend._graphs, "the last step's graph is kept"
     field = "tokens" if inputs.ndim == 1 else "hidden"
     whole = GgmlBackend(smollm2, layers, threads=1)
@@ -274,7 +275,7 @@ def test_a_kept_graph_lives_in_its_own_memory_while_bigger_graphs_come_and_go(
     assert np.array_equal(np.concatenate(steps), alone)
 
 
-def test_a_kept_graph_does_not_keep_its_sessions_caches(
+def test_a_kept_graph_does_not_keep_its_sessions_caches_and_serves_their_slot_again(
     smollm2: ModelFile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_backend, "REUSE_ROWS", 64)
@@ -282,20 +283,22 @@ def test_a_kept_graph_does_not_keep_its_sessions_caches(
 
     backend = GgmlBackend(smollm2, (0, 2))
     cache = backend.new_cache()
-    backend.forward(cache, 0, tokens=[1, 2, 3])
+    first = backend.forward(cache, 0, tokens=[1, 2, 3])
     assert backend._graphs, "a three-row forward keeps its graph"
     gone = weakref.ref(cache)
     del cache
     gc.collect()
     assert gone() is None
-    # the kept graph does not fit a new cache, which may even reuse the old one's address
+    # a new cache takes the slot given back, and the kept graph computes its rows
     again = backend.new_cache()
-    assert np.array_equal(
-        backend.forward(again, 0, tokens=[1, 2, 3]),
-        GgmlBackend(smollm2, (0, 2)).forward(
-            GgmlBackend(smollm2, (0, 2)).new_cache(), 0, tokens=[1, 2, 3]
-        ),
-    )
+    assert again.slot == 0
+    built = backend._build
+    monkeypatch.setattr(backend, "_build", lambda *a: pytest.fail("a graph was built"))
+    second = backend.forward(again, 0, tokens=[3, 2, 1])
+    monkeypatch.setattr(backend, "_build", built)
+    alone = GgmlBackend(smollm2, (0, 2))
+    assert np.array_equal(second, alone.forward(alone.new_cache(), 0, tokens=[3, 2, 1]))
+    assert not np.array_equal(first, second)
 
 
 def test_sessions_batched_compute_what_each_computes_alone_on_both_stages(

@@ -4,13 +4,15 @@ Theory of operation. The weights are never copied: the file is mapped read-only,
 CPU buffer is made over the whole mapping, and each weight the stage uses is a tensor header
 pointing at its bytes, in the file's own type (Q4_1, Q4_K, Q6_K, Q8_0, F16...). A stage's
 resident memory is then the pages of its own layers (the first stage touches only the
-embedding rows of the tokens it sees), its sessions' KV caches and the compute buffer.
+embedding rows of the tokens it sees), the pages of the KV slab its sessions wrote and the
+compute buffer.
 
 Every forward builds graphs with ggml's C API through cffi (`_graph`): a batch's sessions
-are stacked for the projections and the MLP and attend apart, each to its own float16 cache
-(`_kv`). The work is cut into graphs of whole layers, so that ``should_stop`` is polled
-between them as the numpy backend polls between layers: a decode or verify step is one
-graph, a long prefill several (`SEGMENT_ROW_LAYERS`). ggml quantizes activations to Q8 for
+are stacked for the projections and the MLP, and each attends to its own float16 cache, a
+slot of the stage's KV slab (`_kv`), sessions of consecutive slots in one attention. The
+work is cut into graphs of whole layers, so that ``should_stop`` is polled between them as
+the numpy backend polls between layers: a decode or verify step is one graph, a long prefill
+several (`SEGMENT_ROW_LAYERS`). ggml quantizes activations to Q8 for
 the quantized products (llama.cpp's numerics): results agree with the float32 reference to
 about 1e-2 relative, the tokens with llama.cpp's.
 
@@ -57,8 +59,8 @@ from .._inputs import check_positions, forward_one, poll_stops, stage_input
 from .._layers import GgufLayers
 from ._blocks import Blocks, Layer
 from ._cores import HostCores, sleeping_pool
-from ._graph import Built, Graph, GraphAborted, SessionRows, key_blocks
-from ._kv import GgmlKVBlock, GgmlKVCache
+from ._graph import Built, Graph, GraphAborted, Session, group_sessions, key_blocks
+from ._kv import GgmlKVBlock, GgmlKVCache, Slabs
 from ._lib import F32 as GGML_F32
 from ._lib import I32, check_row_kernels, load, openmp, unavailable
 from ._omp import on_compute_thread
@@ -148,6 +150,8 @@ class GgmlBackend(GgufLayers):
         self._allocator = lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type())
         self._openmp = openmp(lib)  # every graph on one compute thread (`_omp`)
         self._graphs: dict[tuple[Any, ...], Built] = {}  # kept graphs, by their sessions
+        width = c.n_kv_heads * c.head_dim  # the sessions' caches, in slots (`_kv`)
+        self._slabs = Slabs(ffi, lib, self._hi - self._lo, width, key_blocks(c.context_length))
         self._finalizer = weakref.finalize(
             self, _free, lib, self._weights_ctx, self._weights_buffer, self._cpu,
             self._pool, self._allocator, self._graphs, self._cores,
@@ -230,11 +234,8 @@ class GgmlBackend(GgufLayers):
     # -- caches ----------------------------------------------------------------------------
 
     def new_cache(self) -> GgmlKVCache:
-        """An empty KV cache for one session on this stage."""
-        c = self.config
-        return GgmlKVCache(
-            self._ffi, self._lib, self._hi - self._lo, c.n_kv_heads * c.head_dim, c.context_length
-        )
+        """An empty KV cache for one session on this stage: a slot of one of its slabs."""
+        return self._slabs.new_cache()
 
     def export_kv(self, cache: GgmlKVCache, start: int, stop: int) -> GgmlKVBlock:
         """A copy of the keys and values of positions ``start..stop-1`` (for the prefix cache)."""
@@ -261,10 +262,9 @@ class GgmlBackend(GgufLayers):
         cache.length = total
 
     def _check_cache(self, cache: object) -> None:
-        c = self.config
-        shape = (self._hi - self._lo, c.n_kv_heads * c.head_dim)
-        if not isinstance(cache, GgmlKVCache) or cache._shape != shape:
+        if not isinstance(cache, GgmlKVCache) or cache._shape != self._slabs.shape:
             raise ValueError("this KV cache was made by a backend with another layer range.")
+        self._slabs.index(cache)  # this backend's
 
     # -- forwards --------------------------------------------------------------------------
 
@@ -372,26 +372,30 @@ class GgmlBackend(GgufLayers):
         graph (decode steps, verify windows) is kept and serves the same sessions' next steps
         while they fit in it; a bigger one is built, run and freed.
         """
-        sizes = [len(rows[k]) for k in live]
+        # the sessions in stack order: by slab, rows and slot, so that sessions of as many
+        # rows in consecutive slots attend together (`group_sessions`)
+        slabs = {k: self._slabs.index(items[k].cache) for k in live}
+        order = sorted(live, key=lambda k: (slabs[k], len(rows[k]), items[k].cache.slot))
+        sizes = [len(rows[k]) for k in order]
         head = head and self._ops.head_weight is not None
         picks = [(n if items[k].logits == "all" else 1) if head else 0
-                 for k, n in zip(live, sizes, strict=True)]  # fmt: skip
+                 for k, n in zip(order, sizes, strict=True)]  # fmt: skip
+        slots = [(slabs[k], items[k].cache.slot) for k in order]
+        positions = [items[k].position for k in order]
         keep = sum(sizes) <= REUSE_ROWS
-        key = (lo, hi, tuple(zip([id(items[k].cache) for k in live], sizes, picks, strict=True)))
+        key = (lo, hi, tuple(zip(slots, sizes, picks, strict=True)))
         built = self._graphs.pop(key, None) if keep else None
-        if built is not None and not all(
-            s.fits(items[k].cache, items[k].position)
-            for k, s in zip(live, built.sessions, strict=True)
-        ):
+        if built is not None and not built.fits(positions):
             built.close()
             built = None
         if built is None:
             room = REUSE_ROOM if keep else 0
             keys = [
                 min(items[k].cache.capacity, key_blocks(items[k].position + n + room))
-                for k, n in zip(live, sizes, strict=True)
+                for k, n in zip(order, sizes, strict=True)
             ]
-            built = self._build([items[k].cache for k in live], sizes, keys, picks, lo, hi, keep)
+            caches = [items[k].cache for k in order]
+            built = self._build(caches, sizes, keys, picks, lo, hi, keep)
         try:
             cost = built.thread_seconds
             if cost is None and self._graphs:  # a new graph: judged by the latest kept one
@@ -401,7 +405,7 @@ class GgmlBackend(GgufLayers):
             with self._cores.taken(1 if idle else self.threads) as threads:
                 self._lib.ggml_backend_cpu_set_n_threads(self._cpu, threads)
                 started = time.perf_counter()
-                positions, inputs = [items[k].position for k in live], [rows[k] for k in live]
+                inputs = [rows[k] for k in order]
                 outputs = on_compute_thread(
                     self._openmp,
                     lambda: built.run(self._cpu, self._allocator, positions, inputs),
@@ -416,7 +420,8 @@ class GgmlBackend(GgufLayers):
                 self._graphs.pop(next(iter(self._graphs))).close()
         else:
             built.close()
-        return outputs
+        by_item = dict(zip(order, outputs, strict=True))
+        return [by_item[k] for k in live]
 
     def _build(
         self,
@@ -432,7 +437,7 @@ class GgmlBackend(GgufLayers):
         ``keys`` keys, with ``picks[k]`` logits rows of each (all 0 but on the head)."""
         c, lib = self.config, self._lib
         total = sum(sizes)
-        n_nodes = (hi - lo) * (40 + 24 * len(sizes)) + 8 * len(sizes) + 64
+        n_nodes = (hi - lo) * (40 + 24 * len(sizes)) + 8 * len(sizes) + 64  # at most
         g = Graph(self._ffi, lib, n_nodes, own_allocator=keep)
         try:
             ctx = g.ctx
@@ -448,11 +453,12 @@ class GgmlBackend(GgufLayers):
             windows = [b.window for b in self._layers[lo:hi]]
             firsts = itertools.accumulate(sizes, initial=0)
             sessions = [
-                SessionRows(g, cache, first, n, L, windows, flash=self._ops.flash)
-                for cache, first, n, L in zip(caches, firsts, sizes, keys, strict=False)
+                Session(n, cache.slab, cache.slot, first, rows)
+                for n, (cache, first, rows) in enumerate(zip(caches, firsts, sizes, strict=False))
             ]
+            parts, groups = group_sessions(g, sessions, keys, windows, flash=self._ops.flash)
             for i in range(lo, hi):
-                x = self._ops.block(g, self._layers[i], i, x, pos, sessions, total)
+                x = self._ops.block(g, self._layers[i], i, x, pos, parts, groups, total)
             picked = None
             if any(picks):
                 picked = np.concatenate(
@@ -472,7 +478,7 @@ class GgmlBackend(GgufLayers):
         except BaseException:
             g.close()
             raise
-        return Built(g, sessions, x, shape, picked, bounds)
+        return Built(g, sessions, parts, groups, x, shape, picked, bounds)
 
 
 def _free(lib: Any, ctx: Any, buffer: Any, backend: Any, pool: Any, allocator: Any,

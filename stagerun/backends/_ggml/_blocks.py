@@ -2,7 +2,7 @@
 
 `Blocks` holds what every block of a model shares (its numbers, the RoPE mode, the output
 head) and writes a block into a `Graph` over stacked rows: norms, projections and the MLP on
-all rows at once, attention per session (`SessionRows`), the way llama.cpp's graphs do. It
+all rows at once, attention per group of sessions (`Group`), the way llama.cpp's graphs do. It
 computes nothing itself; `GgmlBackend` builds, keeps and runs the graphs.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...model import ModelConfig
-from ._graph import Graph, SessionRows
+from ._graph import Graph, Group, SlabRows
 from ._lib import I32, ROPE_NEOX, ROPE_NORMAL
 
 
@@ -70,10 +70,10 @@ class Blocks:
         lib = self._lib
         return lib.ggml_mul(g.ctx, lib.ggml_rms_norm(g.ctx, x, self._eps), weight)
 
-    def block(
-        self, g: Graph, b: Layer, i: int, x: Any, pos: Any, sessions: list[SessionRows], R: int
-    ) -> Any:
-        """Block ``i`` (local number) on the stacked rows ``x`` ``[d_model, R]``."""
+    def block(self, g: Graph, b: Layer, i: int, x: Any, pos: Any, parts: list[SlabRows],
+              groups: list[Group], R: int) -> Any:  # fmt: skip
+        """Block ``i`` (local number) on the stacked rows ``x`` ``[d_model, R]`` of the
+        sessions in ``parts`` (by slab) and ``groups`` (by attention)."""
         lib, ctx, c = self._lib, g.ctx, self.config
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
         cur = self.norm(g, x, b.attn_norm)
@@ -102,8 +102,9 @@ class Blocks:
         rope = (hd, self._rope_mode, c.context_length, base, 1.0 / scale, 0.0, 1.0, 32.0, 1.0)
         q = lib.ggml_rope_ext(ctx, q, pos, factors, *rope)
         k = lib.ggml_rope_ext(ctx, k, pos, factors, *rope)
-        parts = [self.attend(g, b, i, s, q, k, v) for s in sessions]
-        attn = concat_rows(lib, ctx, parts)
+        for part in parts:
+            self.store(g, i, part, k, v)
+        attn = concat_rows(lib, ctx, [self.attend(g, b, i, a, q) for a in groups])
         attn = lib.ggml_mul_mat(ctx, b.w_o, attn)
         if b.post_attn is not None:
             attn = self.norm(g, attn, b.post_attn)
@@ -122,28 +123,39 @@ class Blocks:
             down = self.norm(g, down, b.post_ffn)
         return lib.ggml_add(ctx, x, down)
 
-    def attend(self, g: Graph, b: Layer, i: int, s: SessionRows, q: Any, k: Any, v: Any) -> Any:
-        """One session's attention in block ``i``: ``[n_heads * head_dim, T]``."""
+    def store(self, g: Graph, i: int, part: SlabRows, k: Any, v: Any) -> None:
+        """The new keys and values of ``part``'s rows into block ``i`` of their slab, at the
+        rows of their slots and positions, before anything reads the slab."""
+        lib, ctx = self._lib, g.ctx
+        width = self.config.n_kv_heads * self.config.head_dim
+        _, slots, cap, _ = part.slab.shape
+        layer = i * slots * cap * width * 2
+        for new, slab in ((k, part.k), (v, part.v)):
+            rows = lib.ggml_view_2d(ctx, new, width, part.rows, width * 4, part.first * width * 4)
+            dst = lib.ggml_view_2d(ctx, slab, width, slots * cap, width * 2, layer)
+            g.expand(lib.ggml_set_rows(ctx, dst, rows, part.index))
+
+    def attend(self, g: Graph, b: Layer, i: int, a: Group, q: Any) -> Any:
+        """A group's attention in block ``i``: ``[n_heads * head_dim, rows * count]``."""
         lib, ctx, c = self._lib, g.ctx, self.config
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
-        width, T, cap, L = nkv * hd, s.rows, s.capacity, s.keys
-        f16 = 2
-        layer = i * cap * width * f16
-        # the session's new keys and values, into its cache (before anything reads it), at
-        # the rows of their positions
-        for new, cache in ((k, s.k), (v, s.v)):
-            rows_new = lib.ggml_view_2d(ctx, new, width, T, width * 4, s.first * width * 4)
-            dst = lib.ggml_view_2d(ctx, cache, width, cap, width * f16, layer)
-            g.expand(lib.ggml_set_rows(ctx, dst, rows_new, s.k_rows))
-        keys = lib.ggml_view_3d(ctx, s.k, hd, L, nkv, width * f16, hd * f16, layer)
-        values = lib.ggml_view_3d(ctx, s.v, hd, L, nkv, width * f16, hd * f16, layer)
-        qs = lib.ggml_view_3d(ctx, q, hd, nh, T, hd * 4, nh * hd * 4, s.first * nh * hd * 4)
-        qs = lib.ggml_permute(ctx, qs, 0, 2, 1, 3)  # [hd, T, nh]
-        mask, softcap = s.masks[b.window], c.attn_softcap
+        width, T, B, L = nkv * hd, a.rows, a.count, a.keys
+        _, slots, cap, _ = a.part.slab.shape
+        at = (i * slots + a.slot) * cap * width * 2  # float16
+        # [head_dim, keys, n_kv, sessions]: the sessions' slots lie one capacity apart
+        keys = lib.ggml_view_4d(ctx, a.part.k, hd, L, nkv, B, width * 2, hd * 2, cap * width * 2,
+                                at)  # fmt: skip
+        values = lib.ggml_view_4d(ctx, a.part.v, hd, L, nkv, B, width * 2, hd * 2,
+                                  cap * width * 2, at)  # fmt: skip
+        # [head_dim, T, n_heads, sessions] of the stacked [head_dim, n_heads, R]
+        qs = lib.ggml_view_4d(ctx, q, hd, T, nh, B, nh * hd * 4, hd * 4, T * nh * hd * 4,
+                              a.first * nh * hd * 4)  # fmt: skip
+        mask, softcap = a.masks[b.window], c.attn_softcap
         if self.flash:
             out = lib.ggml_flash_attn_ext(ctx, qs, keys, values, mask, self._kq_scale, 0.0,
                                           float(softcap or 0.0))  # fmt: skip
-            return lib.ggml_reshape_2d(ctx, out, nh * hd, T)  # [hd, nh, T] already
+            return lib.ggml_reshape_2d(ctx, out, nh * hd, T * B)  # [hd, nh, T, B] already
+        assert B == 1, "without flash attention every session attends apart"
         kq = lib.ggml_mul_mat(ctx, keys, qs)  # [L, T, nh]
         if softcap:
             kq = lib.ggml_scale(ctx, kq, self._kq_scale / softcap)

@@ -1,30 +1,38 @@
 """One ggml graph: a run of a stage's layers over the stacked rows of a batch's sessions.
 
 A `Graph` owns a ggml context of tensor headers (no data: the weights live in the file's
-mapping, the KV caches in their sessions' arrays, and everything else in the compute buffer
+mapping, the KV caches in the stage's slabs, and everything else in the compute buffer
 the allocator lays out), the graph, and the inputs to copy in once memory is laid out.
 `build_layers` writes the blocks into it the way llama.cpp's graphs do:
 
 * the rows of every session are stacked ``[d_model, R]`` for the norms, the projections and
   the MLP, so each weight is read once per graph;
-* attention is per session: its new keys and values are written into its cache first
-  (``ggml_set_rows`` at row indices that are inputs, put in the graph before the nodes that
-  read the cache), then its queries ``[head_dim, T, n_heads]`` meet the cached keys and values
-  ``[head_dim, L, n_kv]`` (ggml broadcasts the query heads over the KV heads): in ggml's flash
-  attention kernel by default, or as scores, a masked softmax and a product with the values
-  copied transposed (`Blocks.attend`).
+* the new keys and values of every row go into the sessions' slots of the stage's KV slab
+  (`_kv`) in one ``ggml_set_rows`` a layer, at row indices that are inputs, put in the graph
+  before the nodes that read the slab;
+* attention goes by groups of sessions (`Group`): sessions of as many rows in consecutive
+  slots of a slab, their queries ``[head_dim, T, n_heads, sessions]`` against the keys and
+  values of their slots ``[head_dim, L, n_kv, sessions]`` (ggml broadcasts the query heads
+  over the KV heads), each session's rows masked to its own keys: one flash attention a
+  layer for a tick's decode steps, where a graph per session attends apart would cost ggml a
+  barrier per node of every session's attention (a 16-session graph had 6,755 nodes). Without
+  flash attention (scores, a masked softmax and a product with the values copied transposed,
+  `Blocks.attend`) every session is a group of its own.
 
 Everything that changes from one decode step to the next is an input: the positions, the
 token ids or hidden states, the masks and the cache rows written. A graph therefore serves
-again for the next step of the same sessions while each still fits in its ``L`` keys, and
+again for the next step of the sessions in the same slots (the same sessions, or new ones
+that took the slots of ended ones) while each still fits in its ``L`` keys, and
 the backend keeps the last few small graphs (`GgmlBackend` ``_graphs``) instead of building
 one per step in Python.
 
 Why a row's result never depends on the rows beside it (batched == solo, bitwise). Each
 output of ``ggml_mul_mat`` is one dot product of a weight row with one activation row (the
 activations quantized to Q8 row by row first); norms, RoPE and the activations work a row at
-a time; the attention of one session never sees another's rows. What is left is the keys a
-session attends to, ``L`` of them, which its chunk decides:
+a time; the attention of one session never sees another's rows (in a group, the kernel
+computes each row of each head of each session alone, over that session's slot only). What
+is left is the keys a session attends to, ``L`` of them, which its chunk (and in a group, the
+session of its group that needs the most) decides:
 
 * flash attention visits a row's keys in order and skips the masked ones, so ``L`` does not
   matter; but ggml has two faster kernels whose sums do depend on the batch, tiles of 64 query
@@ -45,14 +53,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ._kv import KEY_BLOCK, GgmlKVCache
+from ._kv import KEY_BLOCK, KVSlab
 from ._lib import F16, F32, I32, I64
 
 NEG_INF = np.float32(-np.inf)
@@ -105,8 +112,10 @@ class Graph:
             t = lib.ggml_new_tensor_1d(ctx, kind, ne[0])
         elif len(ne) == 2:
             t = lib.ggml_new_tensor_2d(ctx, kind, ne[0], ne[1])
-        else:
+        elif len(ne) == 3:
             t = lib.ggml_new_tensor_3d(ctx, kind, ne[0], ne[1], ne[2])
+        else:
+            t = lib.ggml_new_tensor_4d(ctx, kind, ne[0], ne[1], ne[2], ne[3])
         lib.ggml_set_input(t)
         dtype = _DTYPES[kind]
         self.inputs.append((t, dtype, dtype.itemsize * math.prod(shape)))
@@ -163,20 +172,21 @@ _DTYPES: dict[int, np.dtype[Any]] = {
 }
 
 
-def attention_mask(position: int, rows: int, keys: int, window: int) -> npt.NDArray[np.float32]:
-    """``[rows, keys]``: 0 where the row at ``position + t`` sees key ``j``, else -inf.
+def attention_masks(
+    positions: npt.NDArray[np.int64], rows: int, keys: int, window: int
+) -> npt.NDArray[np.float32]:
+    """``[sessions, rows, keys]``: 0 where row ``t`` of the session at ``positions[b]`` sees
+    key ``j``, else -inf.
 
     A row sees the keys up to its own position, and with a ``window`` only the last
     ``window`` of them.
     """
-    at = np.arange(position, position + rows)[:, None]
-    j = np.arange(keys)[None, :]
+    at = positions[:, None, None] + np.arange(rows)[None, :, None]
+    j = np.arange(keys)[None, None, :]
     hidden = j > at
     if window:
         hidden |= j <= at - window
-    mask = np.zeros((rows, keys), np.float32)
-    mask[hidden] = NEG_INF
-    return mask
+    return np.where(hidden, NEG_INF, np.float32(0))
 
 
 def key_blocks(needed: int) -> int:
@@ -184,73 +194,130 @@ def key_blocks(needed: int) -> int:
     return -(-needed // KEY_BLOCK) * KEY_BLOCK
 
 
-class SessionRows:
-    """One session's part of a graph: its rows in the stack, its cache, and its inputs.
+class Session:
+    """One session's rows in a graph's stack: its slot, its first row and how many."""
 
-    The cache is held weakly (a kept graph must not keep a finished session's memory):
-    `fits` says whether the graph may serve the session's next step.
+    __slots__ = ("first", "index", "rows", "slab", "slot")
+
+    def __init__(self, index: int, slab: KVSlab, slot: int, first: int, rows: int) -> None:
+        self.index, self.slab, self.slot, self.first, self.rows = index, slab, slot, first, rows
+
+
+class SlabRows:
+    """The rows of a graph's sessions whose caches are in one slab, consecutive in the stack:
+    their keys and values go into it in one ``ggml_set_rows`` a layer, at the rows of their
+    slots and positions (an input)."""
+
+    __slots__ = ("first", "index", "k", "rows", "sessions", "slab", "v")
+
+    def __init__(self, graph: Graph, sessions: list[Session]) -> None:
+        self.slab, self.sessions = sessions[0].slab, sessions
+        self.first, self.rows = sessions[0].first, sum(s.rows for s in sessions)
+        lib, ffi, n = graph.lib, graph.ffi, math.prod(self.slab.shape)
+        self.k = lib.ggml_new_tensor_1d(graph.ctx, F16, n)
+        self.v = lib.ggml_new_tensor_1d(graph.ctx, F16, n)
+        for tensor, buffer, array in zip(
+            (self.k, self.v), self.slab.buffers, (self.slab.k, self.slab.v), strict=True
+        ):
+            status = lib.ggml_backend_tensor_alloc(
+                buffer, tensor, ffi.cast("void *", array.ctypes.data)
+            )
+            if status != 0:
+                raise RuntimeError(f"ggml could not place a KV slab (status {status})")
+        self.index = graph.input(I64, self.rows)
+
+    def values(self, positions: Sequence[int]) -> npt.NDArray[np.int64]:
+        cap = self.slab.capacity
+        return np.concatenate(
+            [
+                np.arange(s.slot * cap + positions[s.index], s.slot * cap + positions[s.index]
+                          + s.rows, dtype=np.int64)
+                for s in self.sessions
+            ]
+        )  # fmt: skip
+
+
+class Group:
+    """Sessions of as many rows each, in consecutive slots of one slab, consecutive in the
+    stack: one attention a layer reads all their caches (a batch of ``count`` in its fourth
+    dimension), each session's rows masked to its own keys.
 
     Args:
-        first: its first row in the stack; rows: how many.
-        keys: the keys it attends to, a whole number of blocks within the cache's capacity.
+        keys: the keys each session's rows see at most, a whole number of blocks.
         windows: the attention windows of the graph's layers (0: none), one mask each.
         flash: the masks are for ggml's flash attention (float16), else for its softmax.
     """
 
-    __slots__ = ("buffers", "cache", "capacity", "first", "k", "k_rows", "keys", "masks",
-                 "rows", "v", "width")  # fmt: skip
+    __slots__ = ("count", "first", "keys", "masks", "part", "rows", "sessions", "slot")
 
-    def __init__(self, graph: Graph, cache: GgmlKVCache, first: int, rows: int, keys: int,
+    def __init__(self, graph: Graph, part: SlabRows, sessions: list[Session], keys: int,
                  windows: Sequence[int], *, flash: bool = True) -> None:  # fmt: skip
-        if keys % KEY_BLOCK or keys > cache.capacity:
-            raise ValueError(f"{keys} keys for a cache of {cache.capacity}")
-        self.first, self.rows, self.keys = first, rows, keys
-        self.cache = weakref.ref(cache)
-        self.capacity = cap = cache.capacity
-        self.buffers = k_buf, v_buf = cache.buffers()
-        lib, ctx = graph.lib, graph.ctx
-        n_all, self.width = cache._shape
-        self.k = lib.ggml_new_tensor_3d(ctx, F16, self.width, cap, n_all)
-        lib.ggml_backend_tensor_alloc(k_buf, self.k, graph.ffi.cast("void *", cache._k.ctypes.data))
-        self.v = lib.ggml_new_tensor_3d(ctx, F16, self.width, cap, n_all)
-        lib.ggml_backend_tensor_alloc(v_buf, self.v, graph.ffi.cast("void *", cache._v.ctypes.data))
+        if keys % KEY_BLOCK or keys > part.slab.capacity:
+            raise ValueError(f"{keys} keys for a cache of {part.slab.capacity}")
+        self.part, self.sessions, self.keys = part, sessions, keys
+        self.first, self.rows, self.slot = sessions[0].first, sessions[0].rows, sessions[0].slot
+        self.count = len(sessions)
         kind = F16 if flash else F32  # what ggml's flash attention, or its softmax, reads
-        self.masks = {w: graph.input(kind, rows, keys) for w in sorted(set(windows))}
-        self.k_rows = graph.input(I64, rows)
+        self.masks = {
+            w: graph.input(kind, self.count, 1, self.rows, keys) for w in sorted(set(windows))
+        }
 
-    def fits(self, cache: GgmlKVCache, position: int) -> bool:
-        """Whether this graph's part can compute ``cache``'s rows at ``position..``: the same
-        cache, still in the same memory, and its rows within the keys."""
-        return (
-            self.cache() is cache
-            and cache._buffers is self.buffers
-            and position + self.rows <= self.keys
-        )
+    def fits(self, positions: Sequence[int]) -> bool:
+        """Whether every session's rows at its position are within the keys."""
+        return all(positions[s.index] + self.rows <= self.keys for s in self.sessions)
 
-    def values(self, position: int) -> list[npt.NDArray[Any]]:
-        """This session's input values for rows at ``position..``, in the order of its inputs."""
-        at = np.arange(position, position + self.rows, dtype=np.int64)
-        masks = [attention_mask(position, self.rows, self.keys, w) for w in self.masks]
-        return [*masks, at]
+    def values(self, positions: Sequence[int]) -> list[npt.NDArray[np.float32]]:
+        at = np.array([positions[s.index] for s in self.sessions], np.int64)
+        return [attention_masks(at, self.rows, self.keys, w) for w in self.masks]
+
+
+def group_sessions(
+    graph: Graph, sessions: list[Session], keys: Sequence[int], windows: Sequence[int], *,
+    flash: bool,
+) -> tuple[list[SlabRows], list[Group]]:  # fmt: skip
+    """The slab parts and attention groups of ``sessions`` (in stack order), each session
+    attending to at most ``keys[i]`` keys: a session joins the group before it if it has as
+    many rows and the next slot of the same slab (with flash attention only)."""
+    parts = [
+        SlabRows(graph, list(run))
+        for _, run in itertools.groupby(sessions, key=lambda s: id(s.slab))
+    ]
+    runs: list[list[Session]] = []
+    for s in sessions:
+        last = runs[-1][-1] if runs else None
+        if (flash and last is not None and last.slab is s.slab and last.rows == s.rows
+                and last.slot + 1 == s.slot):  # fmt: skip
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    part_of = {id(s): part for part in parts for s in part.sessions}
+    groups = [
+        Group(graph, part_of[id(run[0])], run, max(keys[s.index] for s in run), windows,
+              flash=flash)
+        for run in runs
+    ]  # fmt: skip
+    return parts, groups
 
 
 class Built:
     """A graph built for some sessions' rows, and how to give it inputs and read it out.
 
     Args:
-        sessions: each session's part, in the order of its rows in the stack.
+        sessions: each session's rows, in the order of the stack.
+        parts, groups: the sessions by slab and by attention (`group_sessions`).
         out: the output tensor, ``shape`` rows by columns once read.
         picked: the stacked rows the head reads (on the head only), the graph's last input.
         bounds: where each session's output rows start in ``out``, and where the last ends.
     """
 
-    __slots__ = ("bounds", "graph", "out", "picked", "sessions", "shape", "thread_seconds")
+    __slots__ = ("bounds", "graph", "groups", "out", "parts", "picked", "sessions", "shape",
+                 "thread_seconds")  # fmt: skip
 
-    def __init__(self, graph: Graph, sessions: list[SessionRows], out: Any,
-                 shape: tuple[int, int], picked: npt.NDArray[np.int32] | None,
-                 bounds: list[int]) -> None:  # fmt: skip
-        self.graph, self.sessions, self.out, self.shape = graph, sessions, out, shape
-        self.picked, self.bounds = picked, bounds
+    def __init__(self, graph: Graph, sessions: list[Session], parts: list[SlabRows],
+                 groups: list[Group], out: Any, shape: tuple[int, int],
+                 picked: npt.NDArray[np.int32] | None, bounds: list[int]) -> None:  # fmt: skip
+        self.graph, self.sessions, self.parts, self.groups = graph, sessions, parts, groups
+        self.out, self.shape, self.picked, self.bounds = out, shape, picked, bounds
         # its latest compute's seconds times its threads: about what one thread takes, or
         # more (None before its first compute); the backend's `WAKE_IDLE_S` rule reads it
         self.thread_seconds: float | None = None
@@ -258,18 +325,24 @@ class Built:
     def close(self) -> None:
         self.graph.close()
 
+    def fits(self, positions: Sequence[int]) -> bool:
+        """Whether the graph can compute its sessions' rows at ``positions`` (stack order)."""
+        return all(group.fits(positions) for group in self.groups)
+
     def run(
         self, backend: Any, allocator: Any, positions: Sequence[int],
         rows: Sequence[npt.NDArray[Any]],
     ) -> list[npt.NDArray[np.float32]]:  # fmt: skip
         """Compute each session's ``rows`` of input (token ids or hidden states) at its first
-        position: each session's output rows, logits on the head, else hidden states."""
+        position, in stack order: each session's output rows, logits on the head, else
+        hidden states."""
         at = np.concatenate(
             [np.arange(p, p + len(r)) for p, r in zip(positions, rows, strict=True)]
         )
         values: list[npt.NDArray[Any]] = [at, np.concatenate(rows)]
-        for p, s in zip(positions, self.sessions, strict=True):
-            values += s.values(p)
+        values += [part.values(positions) for part in self.parts]
+        for group in self.groups:
+            values += group.values(positions)
         if self.picked is not None:
             values.append(self.picked)
         self.graph.compute(backend, values, allocator)

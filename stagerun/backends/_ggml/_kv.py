@@ -1,14 +1,27 @@
-"""The ggml backend's KV cache of one session, in numpy memory that ggml computes on.
+"""The ggml backend's KV caches: slots of a stage's slabs, in memory that ggml computes on.
 
-Keys and values are each ``[layers, capacity, n_kv * head_dim]``, float16 (llama.cpp's cache
-type): a new position's keys and values are one contiguous row each, the layout ggml's flash
-attention reads. ggml sees each array through a CPU buffer made over its memory (`buffers`);
-export and import are numpy slices.
+A `KVSlab` holds the keys and the values of up to `SLAB_SLOTS` sessions of one stage, each
+``[layers, slots, capacity, n_kv * head_dim]`` float16 (llama.cpp's cache type), where the
+capacity is the model's whole context. A session's cache (`GgmlKVCache`) is one slot of it:
+a new position's keys and values are one contiguous row each, the layout ggml's flash
+attention reads, and the slots of a slab lie at one stride from each other, so that one
+attention can read the caches of several sessions (sessions of consecutive slots, see
+`_graph`).
+
+The slab is mapped without reserving its memory: a page of it becomes resident when a
+position in it is first written, and a slot given back has its pages returned to the system.
+So a stage holds the keys its sessions reached, not the capacity. ggml sees each array
+through one CPU buffer made over it; export and import are numpy slices of a slot.
 """
 
 from __future__ import annotations
 
-import math
+import collections
+import functools
+import heapq
+import mmap
+import sys
+import threading
 import weakref
 from typing import Any
 
@@ -18,48 +31,118 @@ import numpy.typing as npt
 
 F16 = npt.NDArray[np.float16]
 KEY_BLOCK = 64  # the attention reads keys in whole blocks of 64 (see `_graph`)
-_CHUNK = 256  # first allocation, in positions; later growth doubles
-_ALIGN = 64  # ggml's CPU buffers want 32-byte aligned memory; numpy gives 16
+SLAB_SLOTS = 16
+"""Sessions one slab holds; a stage maps another slab when its slabs are full."""
+
+# Linux's MAP_NORESERVE (Python 3.11 does not name it): memory counted once it is touched
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
-def aligned_zeros(shape: tuple[int, ...], dtype: Any) -> npt.NDArray[Any]:
-    """A zeroed array whose data starts on a 64-byte boundary."""
-    size = math.prod(shape) * np.dtype(dtype).itemsize
-    raw = np.zeros(size + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    out: npt.NDArray[Any] = raw[start : start + size].view(dtype).reshape(shape)
-    return out
+def _reserve(nbytes: int) -> mmap.mmap:
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE
+    return mmap.mmap(-1, nbytes, flags=flags)
+
+
+class KVSlab:
+    """Keys and values of up to ``slots`` sessions on one stage, ``capacity`` positions each.
+
+    Raises:
+        MemoryError: the system would not map the slab (its size is in the message).
+    """
+
+    def __init__(self, ffi: Any, lib: Any, n_layers: int, width: int, capacity: int,
+                 slots: int = SLAB_SLOTS) -> None:  # fmt: skip
+        self.shape = (n_layers, slots, capacity, width)
+        nbytes = n_layers * slots * capacity * width * 2
+        try:
+            self._maps = (_reserve(nbytes), _reserve(nbytes))
+        except OSError as e:
+            raise MemoryError(
+                f"could not map {2 * nbytes / 2**30:.1f} GiB of address space for the KV caches "
+                f"of {slots} sessions ({e}); the pages are used only once written"
+            ) from e
+        self.k: F16 = np.frombuffer(self._maps[0], np.float16).reshape(self.shape)
+        self.v: F16 = np.frombuffer(self._maps[1], np.float16).reshape(self.shape)
+        self.buffers = tuple(
+            lib.ggml_backend_cpu_buffer_from_ptr(ffi.cast("void *", a.ctypes.data), nbytes)
+            for a in (self.k, self.v)
+        )
+        self._free = list(range(slots))  # a heap: the lowest free slot first
+        self._returned: collections.deque[int] = collections.deque()
+        self._lock = threading.Lock()
+        weakref.finalize(self, _free_buffers, lib, *self.buffers)
+
+    def __repr__(self) -> str:
+        _, slots, capacity, width = self.shape
+        return f"<KVSlab slots={slots} free={len(self._free)} capacity={capacity} width={width}>"
+
+    @property
+    def slots(self) -> int:
+        return self.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.shape[2]
+
+    def take(self) -> int | None:
+        """The lowest free slot, now taken; None when every slot is."""
+        with self._lock:
+            while self._returned:  # given back by finalizers (any thread, any time)
+                heapq.heappush(self._free, self._returned.popleft())
+            return heapq.heappop(self._free) if self._free else None
+
+    def give(self, slot: int, reached: int) -> None:
+        """Give ``slot`` back, its first ``reached`` positions' pages to the system.
+
+        Safe from a finalizer: it takes no lock (`take` collects what was given back).
+        """
+        row = self.shape[3] * 2
+        stride = self.capacity * row
+        for i in range(self.shape[0]):
+            start = (i * self.slots + slot) * stride
+            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = (start + reached * row) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > first:
+                for m in self._maps:
+                    m.madvise(mmap.MADV_DONTNEED, first, end - first)
+        self._returned.append(slot)
+
+
+def _free_buffers(lib: Any, *buffers: Any) -> None:
+    for buffer in buffers:
+        lib.ggml_backend_buffer_free(buffer)
 
 
 class GgmlKVCache:
     """Keys and values of one session on one ggml stage, for positions ``0..length-1``.
 
-    Storage grows by doubling in whole key blocks, up to the context length; the room past
-    ``length`` holds zeros or stale positions, which the attention masks.
+    A slot of a `KVSlab`, given back when the cache is collected; the positions past
+    ``length`` hold zeros or stale keys, which the attention masks.
     """
 
-    def __init__(self, ffi: Any, lib: Any, n_layers: int, width: int, max_length: int) -> None:
+    def __init__(self, slab: KVSlab, slot: int) -> None:
         self.length = 0
-        self._ffi, self._lib = ffi, lib
-        self._max = -(-max_length // KEY_BLOCK) * KEY_BLOCK
-        self._shape = (n_layers, width)
-        self._k: F16 = np.zeros((n_layers, 0, width), np.float16)
-        self._v: F16 = np.zeros((n_layers, 0, width), np.float16)
-        self._buffers: tuple[Any, Any] | None = None
-        self._release: weakref.finalize[Any, Any] | None = None
+        self.slab, self.slot = slab, slot
+        self._k: F16 = slab.k[:, slot]  # [layers, capacity, width]
+        self._v: F16 = slab.v[:, slot]
+        self._shape = (slab.shape[0], slab.shape[3])
+        self._reached = [0]  # positions ever written, shared with the finalizer
+        weakref.finalize(self, _give_back, slab, slot, self._reached)
 
     def __repr__(self) -> str:
         return (
-            f"<GgmlKVCache length={self.length} capacity={self.capacity} layers={self._shape[0]}>"
+            f"<GgmlKVCache length={self.length} slot={self.slot} reached={self._reached[0]} "
+            f"layers={self._shape[0]}>"
         )
 
     @property
     def capacity(self) -> int:
-        return int(self._k.shape[1])
+        return self.slab.capacity
 
     @property
     def nbytes(self) -> int:
-        return int(self._k.nbytes + self._v.nbytes)
+        """Bytes of the keys and values of the positions written so far (resident memory)."""
+        return 2 * self._shape[0] * self._reached[0] * self._shape[1] * 2
 
     def trim(self, position: int) -> None:
         """Forget every position at and after ``position`` (no-op past the end)."""
@@ -68,42 +151,42 @@ class GgmlKVCache:
         self.length = min(self.length, position)
 
     def reserve(self, needed: int) -> None:
-        """Room for ``needed`` positions, in whole key blocks."""
-        needed = -(-needed // KEY_BLOCK) * KEY_BLOCK
-        if needed <= self.capacity:
-            return
-        cap = max(needed, min(max(2 * self.capacity, _CHUNK), self._max))
-        n_layers, width = self._shape
-        k = aligned_zeros((n_layers, cap, width), np.float16)
-        v = aligned_zeros((n_layers, cap, width), np.float16)
-        k[:, : self.length] = self._k[:, : self.length]
-        v[:, : self.length] = self._v[:, : self.length]
-        self._drop_buffers()
-        self._k, self._v = k, v
-
-    def buffers(self) -> tuple[Any, Any]:
-        """ggml CPU buffers over the key and the value arrays (made once per allocation)."""
-        if self._buffers is None:
-            lib, ffi = self._lib, self._ffi
-            k = lib.ggml_backend_cpu_buffer_from_ptr(
-                ffi.cast("void *", self._k.ctypes.data), self._k.nbytes
-            )
-            v = lib.ggml_backend_cpu_buffer_from_ptr(
-                ffi.cast("void *", self._v.ctypes.data), self._v.nbytes
-            )
-            self._buffers = (k, v)
-            self._release = weakref.finalize(self, _free_buffers, lib, k, v)
-        return self._buffers
-
-    def _drop_buffers(self) -> None:
-        if self._release is not None:
-            self._release()
-        self._buffers = self._release = None
+        """Note that positions up to ``needed`` will be written (all within the capacity)."""
+        if needed > self.capacity:
+            raise ValueError(f"{needed} positions for a KV cache of {self.capacity}.")
+        self._reached[0] = max(self._reached[0], needed)
 
 
-def _free_buffers(lib: Any, *buffers: Any) -> None:
-    for buffer in buffers:
-        lib.ggml_backend_buffer_free(buffer)
+class Slabs:
+    """A stage's slabs: a slot of the first one with a free slot for each new cache, a new
+    slab when none has one."""
+
+    def __init__(self, ffi: Any, lib: Any, n_layers: int, width: int, capacity: int) -> None:
+        self._new = functools.partial(KVSlab, ffi, lib, n_layers, width, capacity)
+        self.shape = (n_layers, width)
+        self._slabs: list[KVSlab] = []
+
+    def new_cache(self) -> GgmlKVCache:
+        for slab in self._slabs:
+            slot = slab.take()
+            if slot is not None:
+                return GgmlKVCache(slab, slot)
+        slab = self._new()
+        self._slabs.append(slab)
+        slot = slab.take()
+        assert slot == 0, "a new slab has every slot free"
+        return GgmlKVCache(slab, slot)
+
+    def index(self, cache: GgmlKVCache) -> int:
+        """The number of ``cache``'s slab, in the order the slabs were made."""
+        for n, slab in enumerate(self._slabs):
+            if slab is cache.slab:
+                return n
+        raise ValueError("this KV cache was made by another backend; use its new_cache().")
+
+
+def _give_back(slab: KVSlab, slot: int, reached: list[int]) -> None:
+    slab.give(slot, reached[0])
 
 
 @attrs.frozen(eq=False)

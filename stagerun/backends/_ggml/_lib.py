@@ -110,6 +110,8 @@ struct ggml_tensor * ggml_new_tensor_2d(
     struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1);
 struct ggml_tensor * ggml_new_tensor_3d(
     struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2);
+struct ggml_tensor * ggml_new_tensor_4d(
+    struct ggml_context * ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
 void ggml_set_input(struct ggml_tensor * tensor);
 void ggml_set_output(struct ggml_tensor * tensor);
 
@@ -147,6 +149,9 @@ struct ggml_tensor * ggml_view_2d(
 struct ggml_tensor * ggml_view_3d(
     struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2,
     size_t nb1, size_t nb2, size_t offset);
+struct ggml_tensor * ggml_view_4d(
+    struct ggml_context * ctx, struct ggml_tensor * a, int64_t ne0, int64_t ne1, int64_t ne2,
+    int64_t ne3, size_t nb1, size_t nb2, size_t nb3, size_t offset);
 struct ggml_tensor * ggml_permute(
     struct ggml_context * ctx, struct ggml_tensor * a, int axis0, int axis1, int axis2,
     int axis3);
