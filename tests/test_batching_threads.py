@@ -208,6 +208,35 @@ async def test_a_quiet_spell_after_a_session_ends_gives_freed_memory_back(
     assert len(calls) == 2 and calls[1] >= ended
 
 
+async def test_a_quiet_spell_also_has_the_backend_release_what_ended_sessions_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The ggml backend keeps an ended session's KV slot in memory till asked (its pages
+    # would otherwise be freed on the event loop and faulted in again by the next session).
+    from stagerun._engine import _batcher
+
+    order: list[str] = []
+    done = threading.Event()
+
+    class Releasing(Recorder):
+        def release_memory(self) -> int:
+            order.append("backend")
+            return 0
+
+    def trim() -> None:
+        order.append("heap")
+        done.set()
+
+    monkeypatch.setattr(_batcher, "release_free_memory", trim)
+    monkeypatch.setattr(_batcher, "IDLE_TRIM_SECONDS", 0.05)
+    batcher = TickBatcher(Releasing())
+    ended = _item(1)
+    await batcher.forward(ended)
+    batcher.forget(ended.cache)
+    assert await trio.to_thread.run_sync(done.wait, 5.0)
+    assert order == ["backend", "heap"]
+
+
 async def test_a_finished_forward_leaves_no_cycle_behind() -> None:
     # A job's item once stopped through a closure over the job: job -> item -> closure -> job,
     # so every finished forward's cache and output (a last stage's logits, 1 MiB a row) waited

@@ -109,20 +109,31 @@ def test_sessions_around_a_free_slot_and_across_slabs_compute_what_each_does_alo
         assert np.array_equal(_decode_alone(solo, prompt, k, 3), together[k])
 
 
-def test_a_slot_given_back_returns_its_pages_and_is_taken_again(smollm2: ModelFile) -> None:
+def test_a_slot_given_back_is_taken_again_and_its_pages_freed_when_the_stage_asks(
+    smollm2: ModelFile,
+) -> None:
     backend = GgmlBackend(smollm2, LAYERS)
-    cache = backend.new_cache()
-    backend.forward(cache, 0, tokens=list(range(1, 200)))
+    cache, other = backend.new_cache(), backend.new_cache()
+    for c in (cache, other):
+        backend.forward(c, 0, tokens=list(range(1, 200)))
     slab, slot = cache.slab, cache.slot
     assert cache.nbytes == 2 * 3 * 199 * 192 * 2  # keys and values of 199 positions, 3 layers
-    assert np.any(slab.k[:, slot, :199]) and np.any(slab.v[:, slot, :199])
-    page_rows = mmap.PAGESIZE // (192 * 2)  # positions a page holds
+    pages = 199 * 192 * 2 // mmap.PAGESIZE  # whole pages a layer's 199 positions fill
+    whole = pages * mmap.PAGESIZE // (192 * 2)  # the positions in them
     del cache
     gc.collect()
+    assert np.any(slab.k[:, slot, :whole])  # kept till the stage is idle
+    freed = backend.release_memory()
+    assert freed == 2 * 3 * pages * mmap.PAGESIZE  # keys and values of 3 layers
     # the pages of the positions written are the system's again: zeros once read
-    assert not np.any(slab.k[:, slot, : 199 // page_rows * page_rows])
-    assert not np.any(slab.v[:, slot, : 199 // page_rows * page_rows])
-    assert backend.new_cache().slot == slot
+    assert not np.any(slab.k[:, slot, :whole]) and not np.any(slab.v[:, slot, :whole])
+    assert np.any(slab.k[:, other.slot, :whole])  # a live session's are untouched
+    assert backend.release_memory() == 0
+    again = backend.new_cache()
+    assert again.slot == slot
+    del again
+    gc.collect()
+    assert backend.release_memory() == 0  # a slot taken again was never written: nothing
 
 
 def test_a_cache_of_another_backend_is_refused(smollm2: ModelFile) -> None:

@@ -283,10 +283,19 @@ class TickBatcher:
             while ticks != self.ticks or self._waiting or self._running is not None:
                 ticks = self.ticks
                 await trio.sleep(IDLE_TRIM_SECONDS)
-            await trio.to_thread.run_sync(release_free_memory)
+            await trio.to_thread.run_sync(self._release)
         finally:
             self._trimming = False
             self._trimmed = time.perf_counter()
+
+    def _release(self) -> None:
+        """What a stage gives back when idle and every `TRIM_SECONDS` of ticks: the memory its
+        backend keeps for ended sessions (an optional ``release_memory()``, as the ggml
+        backend's KV slots), then the heap's."""
+        release = getattr(self.backend, "release_memory", None)
+        if callable(release):
+            release()
+        release_free_memory()
 
     async def _tick(self, own: _Job) -> None:
         """Run one tick in a worker thread; ``own`` is the job of the task that runs it."""
@@ -428,7 +437,7 @@ class TickBatcher:
             job.outcome = outcome
         if trim and time.perf_counter() - self._trimmed > TRIM_SECONDS:
             self._trimmed = time.perf_counter()
-            release_free_memory()  # ended sessions' caches and big temporaries
+            self._release()  # ended sessions' caches and big temporaries
 
     def _count(self, jobs: list[_Job], start: float, end: float) -> None:
         """Add a finished tick to the counters (on the Trio thread, like every reader)."""

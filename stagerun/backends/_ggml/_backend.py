@@ -133,6 +133,7 @@ class GgmlBackend(GgufLayers):
         )
         self._cpu = lib.ggml_backend_cpu_init()
         lib.ggml_backend_cpu_set_n_threads(self._cpu, self.threads)
+        self._n_threads = self.threads
         # ggml's reference kernels where it has faster ones whose sums depend on the batch: its
         # flash attention's tiles (64 rows and more) and its split of one row's keys among the
         # threads (512 keys and more) would make a row's result depend on its chunk and on the
@@ -237,13 +238,18 @@ class GgmlBackend(GgufLayers):
         """An empty KV cache for one session on this stage: a slot of one of its slabs."""
         return self._slabs.new_cache()
 
+    def release_memory(self) -> int:
+        """Give the system the memory of ended sessions' caches (their slots' written pages):
+        the bytes freed. Stages call it when idle; safe while another thread computes."""
+        return self._slabs.release()
+
     def export_kv(self, cache: GgmlKVCache, start: int, stop: int) -> GgmlKVBlock:
         """A copy of the keys and values of positions ``start..stop-1`` (for the prefix cache)."""
         if not 0 <= start <= stop <= cache.length:
             raise ValueError(
                 f"cannot export positions {start}..{stop - 1} of a cache of {cache.length}."
             )
-        return GgmlKVBlock(cache._k[:, start:stop].copy(), cache._v[:, start:stop].copy())
+        return cache.export(start, stop)
 
     def import_kv(self, cache: GgmlKVCache, blocks: Sequence[GgmlKVBlock]) -> None:
         """Fill the empty ``cache`` with ``blocks``, consecutive from position 0."""
@@ -252,14 +258,7 @@ class GgmlBackend(GgufLayers):
         total = sum(block.positions for block in blocks)
         self._check_cache(cache)
         check_positions(0, 0, total, self.config.context_length)
-        cache.reserve(total)
-        at = 0
-        for block in blocks:
-            end = at + block.positions
-            cache._k[:, at:end] = block.k
-            cache._v[:, at:end] = block.v
-            at = end
-        cache.length = total
+        cache.fill(blocks)
 
     def _check_cache(self, cache: object) -> None:
         if not isinstance(cache, GgmlKVCache) or cache._shape != self._slabs.shape:
@@ -403,7 +402,9 @@ class GgmlBackend(GgufLayers):
             quick = keep and cost is not None and cost < ONE_THREAD_S
             idle = quick and self._cores.idle_for() >= WAKE_IDLE_S
             with self._cores.taken(1 if idle else self.threads) as threads:
-                self._lib.ggml_backend_cpu_set_n_threads(self._cpu, threads)
+                if threads != self._n_threads:  # a call into the library less (`_graph`)
+                    self._lib.ggml_backend_cpu_set_n_threads(self._cpu, threads)
+                    self._n_threads = threads
                 started = time.perf_counter()
                 inputs = [rows[k] for k in order]
                 outputs = on_compute_thread(

@@ -94,6 +94,7 @@ class Graph:
         self.allocator = (
             lib.ggml_gallocr_new(lib.ggml_backend_cpu_buffer_type()) if own_allocator else None
         )
+        self._laid_out = False
 
     def close(self) -> None:
         if self.allocator is not None:
@@ -137,8 +138,11 @@ class Graph:
         own = self.allocator if self.allocator is not None else allocator
         if own is None:
             raise ValueError("a graph without an allocator of its own needs one to compute")
-        if not lib.ggml_gallocr_alloc_graph(own, self.graph):
+        # laid out once in its own allocator (nothing else uses that memory): a call less into
+        # the library, each of which gives the GIL up and may wait for it behind the loop
+        if not self._laid_out and not lib.ggml_gallocr_alloc_graph(own, self.graph):
             raise MemoryError("ggml could not allocate the compute buffer for a forward")
+        self._laid_out = self.allocator is not None
         # the inputs are in host memory (a CPU buffer): copied in with ffi.memmove, which keeps
         # the GIL, where every call into the library gives it up and waits to get it back
         for (tensor, dtype, nbytes), value in zip(self.inputs, values, strict=True):

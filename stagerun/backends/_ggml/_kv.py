@@ -9,8 +9,9 @@ attention can read the caches of several sessions (sessions of consecutive slots
 `_graph`).
 
 The slab is mapped without reserving its memory: a page of it becomes resident when a
-position in it is first written, and a slot given back has its pages returned to the system.
-So a stage holds the keys its sessions reached, not the capacity. ggml sees each array
+position in it is first written, and the pages of slots given back are returned to the
+system when the stage is idle (`KVSlab.release`). So a stage holds the keys its sessions
+reached, not the capacity. ggml sees each array
 through one CPU buffer made over it; export and import are numpy slices of a slot.
 """
 
@@ -23,6 +24,7 @@ import mmap
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -68,7 +70,8 @@ class KVSlab:
             for a in (self.k, self.v)
         )
         self._free = list(range(slots))  # a heap: the lowest free slot first
-        self._returned: collections.deque[int] = collections.deque()
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()
+        self._dirty: dict[int, int] = {}  # free slots whose pages hold positions: how many
         self._lock = threading.Lock()
         weakref.finalize(self, _free_buffers, lib, *self.buffers)
 
@@ -87,25 +90,49 @@ class KVSlab:
     def take(self) -> int | None:
         """The lowest free slot, now taken; None when every slot is."""
         with self._lock:
-            while self._returned:  # given back by finalizers (any thread, any time)
-                heapq.heappush(self._free, self._returned.popleft())
-            return heapq.heappop(self._free) if self._free else None
+            self._collect()
+            if not self._free:
+                return None
+            slot = heapq.heappop(self._free)
+            self._dirty.pop(slot, None)  # its pages are the new session's to write
+            return slot
 
     def give(self, slot: int, reached: int) -> None:
-        """Give ``slot`` back, its first ``reached`` positions' pages to the system.
+        """Give ``slot`` back, its first ``reached`` positions written (`release` frees them).
 
         Safe from a finalizer: it takes no lock (`take` collects what was given back).
         """
+        self._returned.append((slot, reached))
+
+    def release(self) -> int:
+        """Give the system the pages of the free slots' written positions; the bytes freed.
+
+        A stage calls it when idle (`GgmlBackend.release_memory`): at a session's end it
+        would hold the event loop for a millisecond, and a new session in the slot would fault
+        the pages in again.
+        """
+        freed = 0
         row = self.shape[3] * 2
         stride = self.capacity * row
-        for i in range(self.shape[0]):
-            start = (i * self.slots + slot) * stride
-            first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-            end = (start + reached * row) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > first:
-                for m in self._maps:
-                    m.madvise(mmap.MADV_DONTNEED, first, end - first)
-        self._returned.append(slot)
+        with self._lock:
+            self._collect()
+            for slot, reached in self._dirty.items():
+                for i in range(self.shape[0]):
+                    start = (i * self.slots + slot) * stride
+                    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+                    end = (start + reached * row) // mmap.PAGESIZE * mmap.PAGESIZE
+                    if end > first:
+                        for m in self._maps:
+                            m.madvise(mmap.MADV_DONTNEED, first, end - first)
+                        freed += 2 * (end - first)
+            self._dirty.clear()
+        return freed
+
+    def _collect(self) -> None:
+        while self._returned:  # given back by finalizers (any thread, any time)
+            slot, reached = self._returned.popleft()
+            heapq.heappush(self._free, slot)
+            self._dirty[slot] = reached
 
 
 def _free_buffers(lib: Any, *buffers: Any) -> None:
@@ -156,6 +183,22 @@ class GgmlKVCache:
             raise ValueError(f"{needed} positions for a KV cache of {self.capacity}.")
         self._reached[0] = max(self._reached[0], needed)
 
+    def export(self, start: int, stop: int) -> GgmlKVBlock:
+        """A copy of the keys and values of positions ``start..stop-1``."""
+        return GgmlKVBlock(self._k[:, start:stop].copy(), self._v[:, start:stop].copy())
+
+    def fill(self, blocks: Sequence[GgmlKVBlock]) -> None:
+        """Positions ``0..`` from ``blocks``, consecutive, as the cache's whole length."""
+        total = sum(block.positions for block in blocks)
+        self.reserve(total)
+        at = 0
+        for block in blocks:
+            end = at + block.positions
+            self._k[:, at:end] = block.k
+            self._v[:, at:end] = block.v
+            at = end
+        self.length = total
+
 
 class Slabs:
     """A stage's slabs: a slot of the first one with a free slot for each new cache, a new
@@ -176,6 +219,10 @@ class Slabs:
         slot = slab.take()
         assert slot == 0, "a new slab has every slot free"
         return GgmlKVCache(slab, slot)
+
+    def release(self) -> int:
+        """`KVSlab.release` on every slab: the bytes freed."""
+        return sum(slab.release() for slab in self._slabs)
 
     def index(self, cache: GgmlKVCache) -> int:
         """The number of ``cache``'s slab, in the order the slabs were made."""
