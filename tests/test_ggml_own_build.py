@@ -3,9 +3,9 @@
 llama.cpp's build here (``make test`` compiles it: ggml 0.25.3, AVX-512, llamafile's kernels)
 computes a step 5-11% faster than the wheel's ggml. The backend's exactness holds on it for
 what it accepts: the real models' quantized weights with flash attention (the promises of
-tests/test_ggml_backend.py, run again on it in a process of their own); float weights and
-attention without flash attention, whose sums llamafile's kernels make depend on the rows
-computed together, are refused with the reason.
+tests/test_ggml_backend.py and test_ggml_slabs.py, run again in a process of their own);
+float weights and attention without flash attention, whose sums llamafile's kernels make
+depend on the rows computed together, are refused with the reason.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ EXACTNESS = [
     "test_a_long_prefill_is_cut_into_graphs_and_polled_between_them",
     "test_interrupt_stops_a_graph_between_its_nodes",
     "test_greedy_tokens_equal_llama_cpp_s_up_to_near_ties_on_the_real_models and flash",
+    # and tests/test_ggml_slabs.py's: sessions attending together, each its own
+    "test_sessions_in_consecutive_slots_attend_in_one_group_and_each_gets_its_own",
+    "test_sessions_around_a_free_slot_and_across_slabs_compute_what_each_does_alone",
+    "test_a_group_s_decode_over_many_keys_is_the_same_on_one_thread_and_two",
 ]
 
 
@@ -60,12 +64,13 @@ def test_the_backend_s_exactness_holds_on_llama_cpp_s_ggml() -> None:
     selected = " or ".join(f"({name})" for name in EXACTNESS)
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-         str(ROOT / "tests" / "test_ggml_backend.py"), "-k", selected],
+         str(ROOT / "tests" / "test_ggml_backend.py"), str(ROOT / "tests" / "test_ggml_slabs.py"),
+         "-k", selected],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     tail = run.stdout[-3000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
-    assert run.stdout.splitlines()[-1].startswith("11 passed, "), tail  # none skipped
+    assert run.stdout.splitlines()[-1].startswith("14 passed, "), tail  # none skipped
 
 
 def _lib_with(llamafile: bool) -> SimpleNamespace:

@@ -140,3 +140,28 @@ def test_a_cache_of_another_backend_is_refused(smollm2: ModelFile) -> None:
     one, other = GgmlBackend(smollm2, LAYERS), GgmlBackend(smollm2, LAYERS)
     with pytest.raises(ValueError, match="another backend"):
         one.forward(other.new_cache(), 0, tokens=[1, 2, 3])
+
+
+def test_a_group_s_decode_over_many_keys_is_the_same_on_one_thread_and_two(
+    smollm2: ModelFile,
+) -> None:
+    """ggml splits a lone row's keys among its threads from 512 keys on; a group's rows (a
+    batch of sessions in the attention's fourth dimension) are summed by the row kernel."""
+    prompts = _prompts(3, seed=9)
+    prompts = [p * (700 // len(p) + 1) for p in prompts]  # 700 keys and more each
+
+    def together(threads: int, row_kernel: bool = True) -> list[np.ndarray]:
+        backend = GgmlBackend(smollm2, LAYERS, threads=threads)
+        backend._lib.ggml_backend_cpu_set_use_ref(backend._cpu, row_kernel)
+        backend._cores.close()  # compute on `threads` whatever else runs on the host
+        out, groups = _decode_together(backend, prompts, 2)
+        assert groups == [1, 1]
+        return out
+
+    one = together(1)
+    assert all(np.array_equal(a, b) for a, b in zip(one, together(2), strict=True))
+    solo = GgmlBackend(smollm2, LAYERS, threads=2)
+    for k, prompt in enumerate(prompts):
+        assert np.array_equal(_decode_alone(solo, prompt, k, 2), one[k])
+    off = together(2, row_kernel=False)  # the oracle fails without the row kernel
+    assert not any(np.array_equal(a, b) for a, b in zip(one, off, strict=True))
