@@ -165,3 +165,16 @@ def test_a_group_s_decode_over_many_keys_is_the_same_on_one_thread_and_two(
         assert np.array_equal(_decode_alone(solo, prompt, k, 2), one[k])
     off = together(2, row_kernel=False)  # the oracle fails without the row kernel
     assert not any(np.array_equal(a, b) for a, b in zip(one, off, strict=True))
+
+
+def test_a_long_session_attends_apart_from_short_ones_beside_it(smollm2: ModelFile) -> None:
+    """A group's rows all read the mask of its longest member: a session with several times
+    the keys of its neighbours gets a group of its own, and every result is as alone."""
+    rng = np.random.default_rng(4)
+    prompts = [list(rng.integers(1, 5000, n)) for n in (20, 30, 700, 25)]
+    backend = GgmlBackend(smollm2, LAYERS)
+    together, groups = _decode_together(backend, prompts, 2)
+    assert groups == [3, 3]  # slots 0-1, slot 2 (700 keys), slot 3
+    solo = GgmlBackend(smollm2, LAYERS)
+    for k, prompt in enumerate(prompts):
+        assert np.array_equal(_decode_alone(solo, prompt, k, 2), together[k])

@@ -63,6 +63,9 @@ from ._kv import KEY_BLOCK, KVSlab
 from ._lib import F16, F32, I32, I64
 
 NEG_INF = np.float32(-np.inf)
+GROUP_KEYS_RATIO = 2
+"""Sessions attend in one group only while the most keys of one is at most this many times
+the fewest of another (`group_sessions`)."""
 
 
 GGML_STATUS_ABORTED = 1  # ggml's enum ggml_status
@@ -281,19 +284,25 @@ def group_sessions(
 ) -> tuple[list[SlabRows], list[Group]]:  # fmt: skip
     """The slab parts and attention groups of ``sessions`` (in stack order), each session
     attending to at most ``keys[i]`` keys: a session joins the group before it if it has as
-    many rows and the next slot of the same slab (with flash attention only)."""
+    many rows, the next slot of the same slab, and keys within `GROUP_KEYS_RATIO` of every
+    member's (with flash attention only). Every row of a group reads the mask of the most
+    keys any member needs: a short session beside a long one would scan the long one's."""
     parts = [
         SlabRows(graph, list(run))
         for _, run in itertools.groupby(sessions, key=lambda s: id(s.slab))
     ]
     runs: list[list[Session]] = []
+    span = (0, 0)  # the fewest and the most keys of the last run
     for s in sessions:
-        last = runs[-1][-1] if runs else None
+        last, k = (runs[-1][-1] if runs else None), keys[s.index]
+        near = max(span[1], k) <= GROUP_KEYS_RATIO * min(span[0], k)
         if (flash and last is not None and last.slab is s.slab and last.rows == s.rows
-                and last.slot + 1 == s.slot):  # fmt: skip
+                and last.slot + 1 == s.slot and near):  # fmt: skip
             runs[-1].append(s)
+            span = (min(span[0], k), max(span[1], k))
         else:
             runs.append([s])
+            span = (k, k)
     part_of = {id(s): part for part in parts for s in part.sessions}
     groups = [
         Group(graph, part_of[id(run[0])], run, max(keys[s.index] for s in run), windows,
