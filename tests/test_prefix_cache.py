@@ -224,6 +224,32 @@ def test_outputs_are_the_same_with_the_cache_on_and_off(
     assert cached[0] == 0 and all(c > 0 for c in cached[1:]) and not any(none)
 
 
+async def test_the_first_token_is_sent_before_the_prompt_s_blocks_are_kept(
+    tiny_model_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Copying a new prompt's blocks into the cache took 16 ms of its time to first token
+    # under 16 streams; it waits until the token is on its way (the copy reads positions
+    # no decode step writes).
+    from stagerun._engine._engine import StageEngine
+
+    events: list[str] = []
+    remember = StageEngine.remember
+
+    async def recorded(self: StageEngine, session: Session, names: Any) -> None:
+        events.append(f"remember {len(names)}")
+        await remember(self, session, names)
+
+    monkeypatch.setattr(StageEngine, "remember", recorded)
+    async with open_pipeline(tiny_model_path, stages=1) as pipeline:
+        prompt = list(range(3, 3 + 3 * BLOCK + 1))
+        await pipeline.complete(
+            prompt, max_tokens=3, ignore_eog=True, on_token=lambda c: events.append("token")
+        )
+        again = await pipeline.complete(prompt, max_tokens=1, ignore_eog=True)
+    assert events[:3] == ["token", "remember 3", "token"], events
+    assert again.timings.prefill.prefix_cached_tokens == 3 * BLOCK  # it was kept all the same
+
+
 async def test_a_tiny_cache_evicts_and_the_output_stays_the_same(
     tiny_model_path: pathlib.Path,
 ) -> None:
