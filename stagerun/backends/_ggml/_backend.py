@@ -479,7 +479,7 @@ class GgmlBackend(GgufLayers):
         except BaseException:
             g.close()
             raise
-        return Built(g, sessions, parts, groups, x, shape, picked, bounds)
+        return Built(g, parts, groups, x, shape, picked, bounds)
 
 
 def _free(lib: Any, ctx: Any, buffer: Any, backend: Any, pool: Any, allocator: Any,

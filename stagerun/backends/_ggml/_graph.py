@@ -316,20 +316,19 @@ class Built:
     """A graph built for some sessions' rows, and how to give it inputs and read it out.
 
     Args:
-        sessions: each session's rows, in the order of the stack.
-        parts, groups: the sessions by slab and by attention (`group_sessions`).
+        parts, groups: its sessions by slab and by attention (`group_sessions`).
         out: the output tensor, ``shape`` rows by columns once read.
         picked: the stacked rows the head reads (on the head only), the graph's last input.
         bounds: where each session's output rows start in ``out``, and where the last ends.
     """
 
-    __slots__ = ("bounds", "graph", "groups", "out", "parts", "picked", "sessions", "shape",
+    __slots__ = ("bounds", "graph", "groups", "out", "parts", "picked", "shape",
                  "thread_seconds")  # fmt: skip
 
-    def __init__(self, graph: Graph, sessions: list[Session], parts: list[SlabRows],
-                 groups: list[Group], out: Any, shape: tuple[int, int],
-                 picked: npt.NDArray[np.int32] | None, bounds: list[int]) -> None:  # fmt: skip
-        self.graph, self.sessions, self.parts, self.groups = graph, sessions, parts, groups
+    def __init__(self, graph: Graph, parts: list[SlabRows], groups: list[Group], out: Any,
+                 shape: tuple[int, int], picked: npt.NDArray[np.int32] | None,
+                 bounds: list[int]) -> None:  # fmt: skip
+        self.graph, self.parts, self.groups = graph, parts, groups
         self.out, self.shape, self.picked, self.bounds = out, shape, picked, bounds
         # its latest compute's seconds times its threads: about what one thread takes, or
         # more (None before its first compute); the backend's `WAKE_IDLE_S` rule reads it

@@ -210,15 +210,12 @@ class Slabs:
         self._slabs: list[KVSlab] = []
 
     def new_cache(self) -> GgmlKVCache:
-        for slab in self._slabs:
-            slot = slab.take()
-            if slot is not None:
-                return GgmlKVCache(slab, slot)
-        slab = self._new()
-        self._slabs.append(slab)
-        slot = slab.take()
-        assert slot == 0, "a new slab has every slot free"
-        return GgmlKVCache(slab, slot)
+        while True:
+            for slab in self._slabs:
+                slot = slab.take()
+                if slot is not None:
+                    return GgmlKVCache(slab, slot)
+            self._slabs.append(self._new())  # every slot taken: the next loop finds one
 
     def release(self) -> int:
         """`KVSlab.release` on every slab: the bytes freed."""
