@@ -16,9 +16,11 @@ A tick of one session's decode step or verify window, when the computes of its s
 taken at most ``inline_seconds`` (the latest one too), runs on the Trio thread itself once every
 other ready task has run (so a token on its way to a client is written first): the loop is held
 that long, and the two hand-offs of a worker thread (about 0.3 ms on a 2-core VM, paid at every
-stage for every token of a lone stream) are saved. A tick of several sessions or of a prefill
-chunk always runs in a worker thread, where the loop goes on reading and sending for the others
-meanwhile.
+stage for every token of a lone stream) are saved. The decode step of a stage's only session
+may hold the loop longer, `LONE_INLINE_SECONDS`, as nobody else waits for it (a verify window
+keeps ``inline_seconds``: a ``Cancel`` read meanwhile should stop it). A tick of several
+sessions or of a prefill chunk always runs in a worker thread, where the loop goes on reading
+and sending for the others meanwhile.
 
 A verify window named by a ``Cancel`` before its tick starts is dropped unseen; one cancelled
 during its tick stops at the next layer boundary (its ``should_stop``) while the rest of the
@@ -62,6 +64,9 @@ TRIM_SECONDS = 2.0  # a tick's thread gives freed heap memory back at most this 
 IDLE_TRIM_SECONDS = 0.5  # after a session ends, this long without a tick: freed memory back
 INLINE_SECONDS = 0.01  # the default bound on a tick run on the Trio thread (`TickBatcher`)
 INLINE_ROWS = 8  # rows of the one forward of a tick that may run there, at most
+# A lone session's decode step may run there while it takes at most this (`TickBatcher._lone`):
+# Gemma 3 270M's step on 2 cores (20 ms) over the thread's two hand-offs (0.5 ms a token).
+LONE_INLINE_SECONDS = 0.05
 INLINE_SETTLE_SECONDS = 0.001  # how long the loop may take to run its other ready tasks first
 STALL_SECONDS = 60.0  # a tick showing no progress this long has stalled (`stalled_for`)
 
@@ -130,10 +135,11 @@ class TickBatcher:
         inline_seconds: a tick of one forward (a decode step or verify window of at most
             `INLINE_ROWS` rows, no prefill) runs on the Trio thread when the computes of that
             many rows have taken at most this, in a running estimate and the latest one; the
-            first of each size runs in a worker thread to measure. 0 turns it off. The loop
-            serves nothing else meanwhile, so this is about how long the batcher may hold it
-            (a compute that hangs there holds it for good: a stage then fails its liveness
-            probes by timing out).
+            first of each size runs in a worker thread to measure (a lone session's decode
+            step, see `_lone`, up to `LONE_INLINE_SECONDS` if that is more). 0 turns it off.
+            The loop serves nothing else meanwhile, so this is about how long the batcher
+            may hold it (a compute that hangs there holds it for good: a stage then fails its
+            liveness probes by timing out).
     """
 
     def __init__(
@@ -315,11 +321,24 @@ class TickBatcher:
     def _quick(self, jobs: list[_Job]) -> bool:
         """Whether ``jobs`` would be a tick to run inline: one small forward, no prefill,
         whose size's computes have lately taken at most ``inline_seconds``, the latest too
-        (an estimate per row count: a step of 1 row and a window of 8 differ)."""
-        if len(jobs) != 1 or not _small(jobs[0]):
+        (an estimate per row count: a step of 1 row and a window of 8 differ); or at most
+        `LONE_INLINE_SECONDS` for the decode step of the only session decoding here."""
+        if len(jobs) != 1 or not _small(jobs[0]) or not self.inline_seconds:
             return False
         seen = self._small_ticks.get(jobs[0].item.rows)
-        return seen is not None and max(seen) <= self.inline_seconds
+        if seen is None:
+            return False
+        bound = LONE_INLINE_SECONDS if self._lone(jobs[0]) else 0.0
+        return max(seen) <= max(bound, self.inline_seconds)
+
+    def _lone(self, job: _Job) -> bool:
+        """Whether ``job`` is a decode step (one row, which no ``Cancel`` can stop, unlike a
+        verify window) of the one session that asked for a step lately: the loop has nobody
+        else to serve while it computes, so it may hold it for longer."""
+        if job.stale is not None or job.item.rows != 1:
+            return False
+        since = time.perf_counter() - GATHER_SEEN_SECONDS
+        return sum(seen > since for seen in self._seen.values()) <= 1
 
     async def _settle(self) -> bool:
         """Let every other ready task run first: a token on its way to a client (stage 0's
