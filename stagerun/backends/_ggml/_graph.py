@@ -129,10 +129,15 @@ class Graph:
         self.lib.ggml_build_forward_expand(self.graph, tensor)
 
     def compute(
-        self, backend: Any, values: Sequence[npt.NDArray[Any]], allocator: Any = None
+        self,
+        backend: Any,
+        values: Sequence[npt.NDArray[Any]],
+        allocator: Any = None,
+        into: tuple[Any, npt.NDArray[np.float32]] | None = None,
     ) -> None:
         """Lay out memory (in the graph's own allocator if it has one, else ``allocator``),
-        copy ``values`` into the inputs and run the graph."""
+        copy ``values`` into the inputs and run the graph; with ``into``, a (tensor, array)
+        of `output_array`, the graph writes that tensor straight into the array."""
         lib, ffi = self.lib, self.ffi
         if len(values) != len(self.inputs):
             raise ValueError(f"{len(values)} input values for {len(self.inputs)} inputs")
@@ -153,7 +158,17 @@ class Graph:
             if array.nbytes != nbytes:
                 raise ValueError(f"an input of {array.nbytes} bytes for a tensor of {nbytes}")
             ffi.memmove(tensor.data, array, nbytes)
-        status = lib.ggml_backend_graph_compute(backend, self.graph)
+        if into is None:
+            status = lib.ggml_backend_graph_compute(backend, self.graph)
+        else:
+            # the tensor's memory in the layout goes unused meanwhile: nothing else is laid
+            # out there, as the tensor is the graph's output (``ggml_set_output``)
+            tensor, array = into
+            laid_out, tensor.data = tensor.data, ffi.cast("void *", array.ctypes.data)
+            try:
+                status = lib.ggml_backend_graph_compute(backend, self.graph)
+            finally:
+                tensor.data = laid_out
         if status == GGML_STATUS_ABORTED:
             raise GraphAborted("the graph was interrupted between two of its nodes")
         if status != 0:
@@ -161,14 +176,23 @@ class Graph:
 
     def output(self, tensor: Any, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
         """A float32 tensor's data as a new numpy array of ``shape`` (numpy's order)."""
-        out = np.empty(shape, np.float32)
+        out = self.output_array(tensor, shape)
+        self.ffi.memmove(out, tensor.data, out.nbytes)  # host memory, as in `compute`
+        return out
+
+    def output_array(self, tensor: Any, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
+        """A new array of ``shape`` for a float32 tensor's data, 64-byte aligned (ggml's
+        kernels store whole vectors); `compute` ``into`` it skips copying the data out:
+        1 MB of a Gemma 3 token's logits took 0.14 ms to copy."""
         ne = tuple(tensor.ne)
         nb = tuple(tensor.nb)
         dense = nb[0] == 4 and all(nb[i] == nb[i - 1] * ne[i - 1] for i in range(1, 4))
         if tensor.type != F32 or not dense or ne[::-1] != (1,) * (4 - len(shape)) + shape:
             raise ValueError(f"a float32 array of shape {shape} asked of {ne[::-1]}, {nb[::-1]}")
-        self.ffi.memmove(out, tensor.data, out.nbytes)  # host memory, as in `compute`
-        return out
+        n = math.prod(shape)
+        whole = np.empty(n + 16, np.float32)
+        skip = (-whole.ctypes.data % 64) // 4
+        return whole[skip : skip + n].reshape(shape)
 
 
 _DTYPES: dict[int, np.dtype[Any]] = {
@@ -357,6 +381,10 @@ class Built:
             values += group.values(positions)
         if self.picked is not None:
             values.append(self.picked)
-        self.graph.compute(backend, values, allocator)
-        out = self.graph.output(self.out, self.shape)
+        if self.out.view_src == self.graph.ffi.NULL:  # its own memory: written in place
+            out = self.graph.output_array(self.out, self.shape)
+            self.graph.compute(backend, values, allocator, into=(self.out, out))
+        else:
+            self.graph.compute(backend, values, allocator)
+            out = self.graph.output(self.out, self.shape)
         return [out[a:b] for a, b in itertools.pairwise(self.bounds)]
