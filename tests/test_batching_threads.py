@@ -151,8 +151,9 @@ async def test_a_tick_that_shows_no_progress_is_stalled_and_one_that_does_is_not
 
 async def test_a_lone_sessions_decode_step_holds_the_loop_for_longer() -> None:
     # Over inline_seconds, a decode step still runs on the Trio thread while its session is
-    # the only one asking (up to LONE_INLINE_SECONDS): not a window a Cancel could stop, not
-    # beside another session, not once it takes longer than that.
+    # the only one the stage serves (up to LONE_INLINE_SECONDS): not a verify window of one
+    # row, not beside another session (one that only prefilled counts), not once it takes
+    # longer than that, and never with inline_seconds 0.
     backend = ThreadRecorder(delay=0.02)
     batcher = TickBatcher(backend, inline_seconds=0.005)
     mine, other = object(), object()
@@ -162,9 +163,9 @@ async def test_a_lone_sessions_decode_step_holds_the_loop_for_longer() -> None:
 
     await batcher.forward(step(mine))  # measured in a thread
     await batcher.forward(step(mine))
-    await batcher.forward(step(mine), stale=lambda: False)  # a verify window's
-    await batcher.forward(step(other))
-    await batcher.forward(step(mine))  # two sessions ask
+    await batcher.forward(step(mine), window=True)
+    await batcher.forward(step(other), prefill=True)
+    await batcher.forward(step(mine))  # two sessions served
     batcher.forget(other)
     await batcher.forward(step(mine))
     backend.delay = 0.08  # over the bound: this one inline, the next in a thread
@@ -172,6 +173,11 @@ async def test_a_lone_sessions_decode_step_holds_the_loop_for_longer() -> None:
     await batcher.forward(step(mine))
     assert backend.threads == [False, True, False, False, False, True, True, False]
     assert batcher.inline_ticks == 3
+    off = ThreadRecorder(delay=0.02)
+    never = TickBatcher(off, inline_seconds=0.0)
+    for _ in range(3):
+        await never.forward(step(mine))
+    assert off.threads == [False] * 3
 
 
 async def test_ticks_that_turn_slow_go_back_to_a_worker_thread() -> None:

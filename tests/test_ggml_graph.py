@@ -42,3 +42,24 @@ def test_a_graph_writes_its_output_into_each_computes_own_array() -> None:
     finally:
         g.close()
         lib.ggml_backend_free(cpu)
+
+
+def test_a_graph_refuses_an_array_that_is_not_its_outputs_size() -> None:
+    ffi, lib = _lib.load()
+    cpu = lib.ggml_backend_cpu_init()
+    g = _graph.Graph(ffi, lib, 16, own_allocator=True)
+    try:
+        a = g.input(_lib.F32, 2, 8)
+        out = lib.ggml_scale(g.ctx, a, 2.0)
+        lib.ggml_set_output(out)
+        g.expand(out)
+        x = np.ones((2, 8), np.float32)
+        for wrong in (np.empty((2, 7), np.float32), np.empty((8, 2), np.float32).T):
+            with pytest.raises(ValueError):
+                g.compute(cpu, [x], into=(out, wrong))
+        right = g.output_array(out, (2, 8))
+        g.compute(cpu, [x], into=(out, right))
+        np.testing.assert_array_equal(right, 2 * x)
+    finally:
+        g.close()
+        lib.ggml_backend_free(cpu)

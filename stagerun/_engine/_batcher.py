@@ -18,7 +18,8 @@ other ready task has run (so a token on its way to a client is written first): t
 that long, and the two hand-offs of a worker thread (about 0.3 ms on a 2-core VM, paid at every
 stage for every token of a lone stream) are saved. The decode step of a stage's only session
 may hold the loop longer, `LONE_INLINE_SECONDS`, as nobody else waits for it (a verify window
-keeps ``inline_seconds``: a ``Cancel`` read meanwhile should stop it). A tick of several
+keeps ``inline_seconds``: a ``Cancel`` read meanwhile should stop it, and the replies of its
+session's other windows wait). A tick of several
 sessions or of a prefill chunk always runs in a worker thread, where the loop goes on reading
 and sending for the others meanwhile.
 
@@ -85,7 +86,7 @@ class TickInfo:
 
 
 class _Job:
-    __slots__ = ("_stop", "item", "outcome", "prefill", "stale", "tick")
+    __slots__ = ("_stop", "item", "outcome", "prefill", "stale", "tick", "window")
 
     def __init__(
         self,
@@ -94,8 +95,9 @@ class _Job:
         stale: Callable[[], bool] | None,
         tick: TickInfo | None,
         progress: list[float],
+        window: bool = False,
     ) -> None:
-        self.prefill, self.stale, self.tick = prefill, stale, tick
+        self.prefill, self.stale, self.tick, self.window = prefill, stale, tick, window
         self.outcome: np.ndarray[Any, Any] | BaseException | None = None
         # The item's should_stop reads this list, not the job: a closure over the job would
         # make job -> item -> closure -> job a cycle, and every finished forward's cache and
@@ -170,6 +172,7 @@ class TickBatcher:
         self._computed = 0.0  # the latest tick's compute alone (no hand-off, no trim)
         self.gathered_seconds = 0.0  # time ticks waited for more work
         self._seen: dict[int, float] = {}  # session (cache id) -> when it last asked
+        self._sessions: set[int] = set()  # sessions (cache ids) computed here, not yet ended
         self._arrived = trio.Event()
         self._trimmed = time.perf_counter()
         self._trimming = False  # a trim waits for a quiet spell (`forget`)
@@ -231,17 +234,21 @@ class TickBatcher:
         prefill: bool = False,
         stale: Callable[[], bool] | None = None,
         tick: TickInfo | None = None,
+        window: bool = False,
     ) -> np.ndarray[Any, Any]:
         """Compute ``item`` in the next tick that takes it; its output.
 
         ``stale()`` True when the tick starts drops the item unseen (`ComputeCancelled`).
-        ``tick``, if given, is filled in with the tick that computed the item.
+        ``tick``, if given, is filled in with the tick that computed the item. ``window``:
+        the item is a verify window (whose tick holds the loop no longer than
+        ``inline_seconds``, even with one row: its session's replies and a ``Cancel`` wait).
 
         Raises:
             ComputeCancelled: the item was dropped before its tick or stopped in it.
         """
-        job = _Job(item, prefill, stale, tick, self._progress)
+        job = _Job(item, prefill, stale, tick, self._progress, window)
         self._waiting.append(job)
+        self._sessions.add(id(item.cache))
         if not prefill:  # a decoding session: the ones ticks gather
             self._seen[id(item.cache)] = time.perf_counter()
         self._arrived.set()
@@ -266,13 +273,15 @@ class TickBatcher:
         return job.outcome
 
     def forget(self, cache: object) -> None:
-        """The session of ``cache`` has ended: ticks no longer gather for its decode steps.
+        """The session of ``cache`` has ended: ticks no longer gather for its decode steps,
+        nor count it among the sessions served (`_lone`).
 
         Without this, a request that starts just after another ended (a closed-loop client)
         would wait at each of its first ticks, `GATHER_SEEN_SECONDS` long, for a session that
         will never ask again.
         """
         self._seen.pop(id(cache), None)
+        self._sessions.discard(id(cache))
         if not self._trimming:
             # A session ended: once no tick has run for IDLE_TRIM_SECONDS, the heap the
             # sessions left is given back; the ticks' own trims need a next tick, which an
@@ -322,7 +331,7 @@ class TickBatcher:
         """Whether ``jobs`` would be a tick to run inline: one small forward, no prefill,
         whose size's computes have lately taken at most ``inline_seconds``, the latest too
         (an estimate per row count: a step of 1 row and a window of 8 differ); or at most
-        `LONE_INLINE_SECONDS` for the decode step of the only session decoding here."""
+        `LONE_INLINE_SECONDS` for the decode step of the only session here (`_lone`)."""
         if len(jobs) != 1 or not _small(jobs[0]) or not self.inline_seconds:
             return False
         seen = self._small_ticks.get(jobs[0].item.rows)
@@ -332,13 +341,13 @@ class TickBatcher:
         return max(seen) <= max(bound, self.inline_seconds)
 
     def _lone(self, job: _Job) -> bool:
-        """Whether ``job`` is a decode step (one row, which no ``Cancel`` can stop, unlike a
-        verify window) of the one session that asked for a step lately: the loop has nobody
-        else to serve while it computes, so it may hold it for longer."""
-        if job.stale is not None or job.item.rows != 1:
+        """Whether ``job`` is a decode step (one row, not a verify window) of the only session
+        this stage serves (every session that has asked for a forward and not ended counts,
+        a prefilling one too): the loop has nobody else to serve while it computes, so it may
+        hold it for longer."""
+        if job.window or job.stale is not None or job.item.rows != 1:
             return False
-        since = time.perf_counter() - GATHER_SEEN_SECONDS
-        return sum(seen > since for seen in self._seen.values()) <= 1
+        return self._sessions == {id(job.item.cache)}
 
     async def _settle(self) -> bool:
         """Let every other ready task run first: a token on its way to a client (stage 0's

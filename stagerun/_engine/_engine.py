@@ -280,6 +280,7 @@ class StageEngine:
                 prefill=isinstance(message, _proto.Prefill),
                 stale=None if stop is None else stop.cancelled,
                 tick=tick,
+                window=verify,
             )
         except ComputeCancelled:
             assert stop is not None, "only a verify window's compute is ever stopped"
