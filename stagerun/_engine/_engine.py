@@ -257,11 +257,8 @@ class StageEngine:
             raise SessionRefused(
                 f"stage {self.index} has no room for request {message.request_id}: {refusal}"
             )
-        scoring = (
-            isinstance(message, _proto.Prefill)
-            and session.sampler is not None
-            and session.sampler.scores_prompt
-        )
+        scores = session.sampler is not None and session.sampler.scores_prompt
+        scoring = isinstance(message, _proto.Prefill) and scores
         verify = isinstance(message, _proto.Verify)
         rows: Literal["all", "last"] = "all" if verify or scoring else "last"
         if self.backend.is_first:
