@@ -19,9 +19,8 @@ that long, and the two hand-offs of a worker thread (about 0.3 ms on a 2-core VM
 stage for every token of a lone stream) are saved. The decode step of a stage's only session
 may hold the loop longer, `LONE_INLINE_SECONDS`, as nobody else waits for it (a verify window
 keeps ``inline_seconds``: a ``Cancel`` read meanwhile should stop it, and the replies of its
-session's other windows wait). A tick of several
-sessions or of a prefill chunk always runs in a worker thread, where the loop goes on reading
-and sending for the others meanwhile.
+session's other windows wait). A tick of several sessions or of a prefill chunk always runs
+in a worker thread, where the loop goes on reading and sending for the others meanwhile.
 
 A verify window named by a ``Cancel`` before its tick starts is dropped unseen; one cancelled
 during its tick stops at the next layer boundary (its ``should_stop``) while the rest of the
@@ -345,9 +344,7 @@ class TickBatcher:
         this stage serves (every session that has asked for a forward and not ended counts,
         a prefilling one too): the loop has nobody else to serve while it computes, so it may
         hold it for longer."""
-        if job.window or job.stale is not None or job.item.rows != 1:
-            return False
-        return self._sessions == {id(job.item.cache)}
+        return not job.window and job.item.rows == 1 and self._sessions == {id(job.item.cache)}
 
     async def _settle(self) -> bool:
         """Let every other ready task run first: a token on its way to a client (stage 0's

@@ -178,12 +178,6 @@ class Graph:
         if status != 0:
             raise RuntimeError(f"ggml_backend_graph_compute failed with status {status}")
 
-    def output(self, tensor: Any, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
-        """A float32 tensor's data as a new numpy array of ``shape`` (numpy's order)."""
-        out = self.output_array(tensor, shape)
-        self.ffi.memmove(out, tensor.data, out.nbytes)  # host memory, as in `compute`
-        return out
-
     def output_array(self, tensor: Any, shape: tuple[int, ...]) -> npt.NDArray[np.float32]:
         """A new array of ``shape`` for a float32 tensor's data, 64-byte aligned (as ggml
         lays tensors out); `compute` ``into`` it skips copying the data out: 1 MB of a
@@ -385,10 +379,6 @@ class Built:
             values += group.values(positions)
         if self.picked is not None:
             values.append(self.picked)
-        if self.out.view_src == self.graph.ffi.NULL:  # its own memory: written in place
-            out = self.graph.output_array(self.out, self.shape)
-            self.graph.compute(backend, values, allocator, into=(self.out, out))
-        else:
-            self.graph.compute(backend, values, allocator)
-            out = self.graph.output(self.out, self.shape)
+        out = self.graph.output_array(self.out, self.shape)  # written in place, not copied
+        self.graph.compute(backend, values, allocator, into=(self.out, out))
         return [out[a:b] for a, b in itertools.pairwise(self.bounds)]
