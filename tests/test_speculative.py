@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from stagerun import (
     split_layers,
     telemetry,
 )
-from stagerun._decide._pace import DepthControl, PaceCheck
+from stagerun._decide._pace import PACE_TRIPS, DepthControl, PaceCheck
 from stagerun.abc import ForwardItem
 from stagerun.backends import NumpyBackend
 from stagerun.drafters import OracleDrafter
@@ -286,13 +287,40 @@ def test_pace_check_compares_committed_rate_with_a_plain_step() -> None:
     pace = PaceCheck()
     assert not pace.slower_than_plain(0, 10.0)  # nothing measured yet
     pace.opened(1, 0.0)
-    pace.replied(1, 100.0)  # the shortest round trip: 100 ms, i.e. plain ~ 10 tokens/s
+    pace.replied(1, 100.0)  # the first quartile of [100, 150]: 100 ms, plain ~ 10 tokens/s
     pace.opened(2, 100.0)
     pace.replied(2, 250.0)
     pace.forget([3])  # unknown windows are ignored
-    assert pace.shortest_round_trip_ms == 100.0
+    assert (pace.shortest_round_trip_ms, pace.plain_step_ms()) == (100.0, 100.0)
     assert pace.slower_than_plain(2, 250.0)  # 8 tokens/s
     assert not pace.slower_than_plain(5, 250.0)  # 20 tokens/s
+
+
+def _paced(trips: list[float]) -> PaceCheck:
+    """A pace that has seen windows of these round trips, one opened every 10 ms from 0."""
+    pace = PaceCheck()
+    for window_id, trip in enumerate(trips):
+        pace.opened(window_id, 10.0 * window_id)
+        pace.replied(window_id, 10.0 * window_id + trip)
+    return pace
+
+
+def test_a_plain_step_is_not_read_from_a_lull() -> None:
+    # Requests that start together: one window back in 120 ms while the pipeline fills, the
+    # rest in 300 once it is full. 8 tokens in 1.5 s beat plain steps of 300 ms (5 tokens);
+    # against the 120 (12.5 tokens) drafting was switched off.
+    pace = _paced([120.0] + [300.0] * 8)
+    assert (pace.shortest_round_trip_ms, pace.plain_step_ms()) == (120.0, 300.0)
+    assert not pace.slower_than_plain(8, 1500.0)
+    assert pace.slower_than_plain(5, 1500.0)  # as slow as plain is now: switched off
+
+
+def test_a_plain_step_follows_the_latest_round_trips() -> None:
+    # 20 windows of 50 ms: the first quartile while they are among the latest PACE_TRIPS
+    assert _paced([50.0] * 20 + [300.0] * (PACE_TRIPS - 20)).plain_step_ms() == 50.0
+    assert _paced([50.0] * 20 + [300.0] * PACE_TRIPS).plain_step_ms() == 300.0
+    assert _paced([300.0, 50.0, 200.0, 100.0, 400.0]).plain_step_ms() == 100.0
+    assert math.isinf(PaceCheck().plain_step_ms())
 
 
 @pytest.fixture(scope="module")
