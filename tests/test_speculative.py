@@ -316,10 +316,14 @@ def test_a_plain_step_is_not_read_from_a_lull() -> None:
 
 
 def test_a_plain_step_follows_the_latest_round_trips() -> None:
-    # 20 windows of 50 ms: the first quartile while they are among the latest PACE_TRIPS
-    assert _paced([50.0] * 20 + [300.0] * (PACE_TRIPS - 20)).plain_step_ms() == 50.0
-    assert _paced([50.0] * 20 + [300.0] * PACE_TRIPS).plain_step_ms() == 300.0
-    assert _paced([300.0, 50.0, 200.0, 100.0, 400.0]).plain_step_ms() == 100.0
+    # 40 windows of 50 ms: the first quartile while they are among the latest PACE_TRIPS; once
+    # they are not, they are forgotten (kept, 40 of 104 would still give 50)
+    assert _paced([50.0] * 40 + [300.0] * (PACE_TRIPS - 40)).plain_step_ms() == 50.0
+    assert _paced([50.0] * 40 + [300.0] * PACE_TRIPS).plain_step_ms() == 300.0
+    # one short round trip in four or more is not the plain step, one in three is
+    assert _paced([120.0, 300.0, 300.0, 300.0]).plain_step_ms() == 300.0
+    assert _paced([300.0, 120.0, 300.0]).plain_step_ms() == 120.0
+    assert _paced([300.0, 50.0, 200.0, 100.0, 400.0, 60.0, 70.0, 80.0]).plain_step_ms() == 70.0
     assert math.isinf(PaceCheck().plain_step_ms())
 
 

@@ -29,12 +29,13 @@ class PaceCheck:
 
     A plain decoding step costs one round trip of a one-token window, and no window costs
     much less, so a short round trip of the request's windows stands for it: the first quartile
-    of its last `PACE_TRIPS`. Not the shortest: the stages' load moves the round trips, and
-    requests that start together see a few of 110-130 ms while the pipeline fills, then 300 ms
-    once it is full; against the shortest, 13 of 16 such requests over 20 ms links judged their
-    drafting slower than plain and switched it off, then took 14-16 s for 64 tokens where the
-    others took 4-8. Speculation is slower when the tokens committed since the first window
-    come slower than ``PACE_MARGIN`` tokens per such round trip.
+    of its last `PACE_TRIPS` (one in four, two in eight, ... are shorter; the shortest of fewer
+    than four). Not the shortest: the stages' load moves the round trips, and requests that
+    start together see a few of 110-130 ms while the pipeline fills, then 300 ms once it is
+    full; against the shortest, 13 of 16 such requests over 20 ms links judged their drafting
+    slower than plain and switched it off, then took 14-16 s for 64 tokens where the others
+    took 4-8. Speculation is slower when the tokens committed since the first window come
+    slower than ``PACE_MARGIN`` tokens per such round trip.
     """
 
     def __init__(self) -> None:
@@ -63,11 +64,11 @@ class PaceCheck:
             self._opened.pop(window_id, None)
 
     def plain_step_ms(self) -> float:
-        """What a plain step is taken to cost: the first quartile of the recent round trips
-        (infinite before the first reply)."""
+        """What a plain step is taken to cost: the first quartile of the recent round trips,
+        the shortest of fewer than four (infinite before the first reply)."""
         if not self._trips:
             return math.inf
-        return sorted(self._trips)[(len(self._trips) - 1) // 4]
+        return sorted(self._trips)[len(self._trips) // 4]
 
     def slower_than_plain(self, committed: int, now_ms: float) -> bool:
         plain_ms = self.plain_step_ms()
