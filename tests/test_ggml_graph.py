@@ -53,7 +53,7 @@ def test_a_graph_refuses_an_array_that_is_not_its_outputs_size() -> None:
         out = lib.ggml_scale(g.ctx, a, 2.0)
         lib.ggml_set_output(out)
         g.expand(out)
-        x = np.ones((2, 8), np.float32)
+        x = np.arange(16, dtype=np.float32).reshape(2, 8) - 5.0
         for wrong in (np.empty((2, 7), np.float32), np.empty((8, 2), np.float32).T):
             with pytest.raises(ValueError):
                 g.compute(cpu, [x], into=(out, wrong))
